@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow)
+#   make test   create/refresh .venv, install with the [dev] extra, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: torch 2.13.0 is the CPU wheel on disk; an unpinned torch could pull a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test bench install install-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/grpo fit --config configs/quickstart.yaml
+
+test: install-dev
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) runs

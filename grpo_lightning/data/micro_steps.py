@@ -1,0 +1,65 @@
+"""The training dataloader yields cheap micro-step descriptors, never rollouts.
+
+Lightning fetches one batch ahead of training. Generating inside the iterator would sample the
+next generation batch with the weights from *before* the current optimizer step (silently
+off-policy), so the iterator only says which micro-step comes next; the datamodule generates
+in ``on_after_batch_transfer``, right before ``training_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from torch.utils.data import IterableDataset
+
+
+@dataclass(frozen=True)
+class MicroStepRef:
+    """Which micro-step to train: a position in the fixed schedule of one run."""
+
+    step: int  # global micro-step index since the run started
+    epoch: int  # pass over the prompt dataset
+    generation: int  # generation batch within the epoch
+    iteration: int  # replay of that generation batch (0 .. num_iterations-1)
+    micro_index: int  # micro-batch within the generation batch (0 .. steps_per_generation-1)
+
+
+@dataclass(frozen=True)
+class MicroStepSchedule:
+    """Maps a global micro-step index to its position: generations × iterations × micro-batches."""
+
+    generations_per_epoch: int
+    steps_per_generation: int
+    num_iterations: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.generations_per_epoch * self.steps_per_generation * self.num_iterations
+
+    def ref(self, step: int) -> MicroStepRef:
+        epoch, within_epoch = divmod(step, self.steps_per_epoch)
+        generation, within_generation = divmod(within_epoch, self.steps_per_generation * self.num_iterations)
+        iteration, micro_index = divmod(within_generation, self.steps_per_generation)
+        return MicroStepRef(step, epoch, generation, iteration, micro_index)
+
+
+class MicroStepStream(IterableDataset):
+    """Yields the rest of the current epoch's micro-steps, starting after the last one trained.
+
+    ``start_step`` is read when iteration starts, so a resumed run continues where the checkpoint
+    left off and each new epoch starts at its first micro-step.
+    """
+
+    def __init__(self, schedule: MicroStepSchedule, start_step: Callable[[], int]) -> None:
+        self.schedule = schedule
+        self.start_step = start_step
+
+    def __iter__(self) -> Iterator[MicroStepRef]:
+        first = self.start_step()
+        end = (first // self.schedule.steps_per_epoch + 1) * self.schedule.steps_per_epoch
+        for step in range(first, end):
+            yield self.schedule.ref(step)
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch

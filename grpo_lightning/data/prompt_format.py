@@ -1,0 +1,93 @@
+"""Prompt → token ids, and completion ids → what reward functions receive (TRL semantics).
+
+No lightning here: these are helpers the Lightning datamodule uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from grpo_lightning.data.sources import is_conversational
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
+def tokenize_prompt(
+    prompt: str | Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of one prompt, as TRL's GRPO trainer builds them.
+
+    A string is tokenized as is, with the tokenizer's default special tokens (TRL adds no
+    truncation). A conversation (list of role/content messages) is rendered with the chat
+    template and the generation prompt (``add_generation_prompt=True``); when its last message is
+    from the assistant, that message is continued instead (``continue_final_message=True``, no
+    generation prompt), so a prefilled answer start is extended.
+
+    Args:
+        prompt: A string or a list of ``{"role", "content"}`` messages.
+        tokenizer: A Hugging Face tokenizer (``PreTrainedTokenizerBase``).
+        chat_template_kwargs: Extra keyword arguments for ``apply_chat_template`` (e.g.
+            ``{"enable_thinking": False}``, ``tools``); they override the defaults above.
+
+    Returns:
+        The prompt's token ids.
+
+    Raises:
+        ValueError: A conversational prompt with a tokenizer that has no chat template, or a
+            prompt that is neither a string nor a message list.
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if not is_conversational(prompt):
+        raise ValueError(
+            f"prompt {prompt!r:.200} is neither a string nor a list of "
+            '{"role": ..., "content": ...} messages; fix the dataset\'s prompt column.'
+        )
+    if not _has_chat_template(tokenizer):
+        raise ValueError(
+            "the prompts are conversations (lists of role/content messages) but the tokenizer "
+            f"{type(tokenizer).__name__} has no chat template. Use a tokenizer that has one (an "
+            "instruct/chat model), set tokenizer.chat_template, or turn the prompts into plain "
+            "strings."
+        )
+    continue_final = prompt[-1].get("role") == "assistant"
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": not continue_final,
+        "continue_final_message": continue_final,
+        "tokenize": True,
+        "return_dict": False,
+    }
+    kwargs.update(chat_template_kwargs or {})
+    ids = tokenizer.apply_chat_template(list(prompt), **kwargs)
+    if isinstance(ids, Mapping):  # a caller forced return_dict=True
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):  # some processors return a batch of one
+        ids = ids[0]
+    return list(ids)
+
+
+def decode_completions(
+    completion_ids: Sequence[Sequence[int]], tokenizer: Any, conversational: bool
+) -> list[Any]:
+    """Decode completions into what reward functions receive as ``completions``.
+
+    Args:
+        completion_ids: Unpadded completion token lists.
+        tokenizer: The policy's tokenizer.
+        conversational: Whether the prompts were conversations.
+
+    Returns:
+        Strings (special tokens skipped) or, for conversational prompts, one
+        ``[{"role": "assistant", "content": text}]`` list per completion (TRL's plain case, without
+        tool-call parsing).
+    """
+    texts = tokenizer.batch_decode([list(ids) for ids in completion_ids], skip_special_tokens=True)
+    if conversational:
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return list(texts)

@@ -1,0 +1,202 @@
+"""One generation batch: prompts → completions → rewards → advantages → micro-batches.
+
+Spec §1.5 in order. The builder is plain torch with an injected :class:`Collective`, so that the
+Lightning datamodule (and tests) decide how ranks talk to each other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from grpo_lightning.algo.advantages import compute_advantages_with_stats, reward_metrics
+from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
+from grpo_lightning.data.completion_metrics import completion_metrics
+from grpo_lightning.data.prompt_format import decode_completions, tokenize_prompt
+from grpo_lightning.data.prompt_order import GenerationPlan
+from grpo_lightning.data.sources import is_conversational
+from grpo_lightning.rewards.runner import RewardRunner
+from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.types import GenerationParams, PolicyHandle, Rollout, RolloutBatch
+
+
+@dataclass(frozen=True)
+class Collective:
+    """How a builder reaches the other ranks. ``all_gather(x)`` returns ``(world_size, *x.shape)``."""
+
+    rank: int = 0
+    world_size: int = 1
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's rows in rank order: ``(L, ...) -> (P*L, ...)``."""
+        if self.world_size == 1 or self.all_gather is None:
+            return tensor
+        gathered = self.all_gather(tensor)
+        return gathered.reshape(-1, *tensor.shape[1:])
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The data-side knobs a generation batch depends on."""
+
+    num_generations: int
+    plan: GenerationPlan
+    params: GenerationParams
+    gradient_accumulation_steps: int
+    num_iterations: int = 1
+    chat_template_kwargs: dict[str, Any] | None = None
+    scale_rewards: str | bool = "group"
+    multi_objective_aggregation: str = "sum_then_normalize"
+    mask_truncated_completions: bool = False
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Old log-probs differ from the live ones only if an optimizer step can fall between
+        generating a batch and training on it (TRL: ``GA % (S * num_iterations) != 0``)."""
+        return self.gradient_accumulation_steps % (self.plan.steps_per_generation * self.num_iterations) != 0
+
+
+@dataclass
+class GenerationBatch:
+    """A built generation batch: its micro-batches and the tokens it added to ``num_tokens``."""
+
+    micro_batches: list[RolloutBatch]
+    num_tokens: int
+
+
+class RolloutBuilder:
+    """Builds the micro-batches of one generation batch on one rank."""
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        sampler: Sampler,
+        rewards: RewardRunner,
+        handle: PolicyHandle,
+        collective: Collective = Collective(),
+    ) -> None:
+        self.settings = settings
+        self.sampler = sampler
+        self.rewards = rewards
+        self.handle = handle
+        self.collective = collective
+
+    def build(
+        self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], generator: torch.Generator | None,
+        trainer_state: Any = None,
+    ) -> GenerationBatch:
+        """``rows``: this rank's dataset rows, one per completion (already repeated G times)."""
+        started = time.perf_counter()
+        s, tokenizer, device = self.settings, self.handle.tokenizer, self.handle.device
+        prompts = [row["prompt"] for row in rows]
+        rollouts = self._generate(prompts, row_ids)
+        completion_ids = [r.completion_ids for r in rollouts]
+        conversational = is_conversational(prompts[0])
+        completions = decode_completions(completion_ids, tokenizer, conversational)
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        scores = self.rewards.score(
+            prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns,
+            trainer_state=trainer_state,
+        )
+
+        # Group statistics need every rank's rewards (a group may straddle two ranks).
+        global_rewards = self.collective.gather_rows(scores.rewards.to(device))  # (N, F)
+        stats = compute_advantages_with_stats(
+            global_rewards, s.num_generations, self.rewards.weights.to(device),
+            s.scale_rewards, s.multi_objective_aggregation,
+        )
+        local = slice(self.collective.rank * len(rows), (self.collective.rank + 1) * len(rows))
+        batch = self._pad(rollouts, stats.advantages[local], device)
+        loss_mask = batch.loss_mask
+        # Loss tokens per optimizer step over all ranks: one generation batch covers S micro-steps
+        # and an optimizer step GA of them (the dapo/cispo/vespo normaliser, TRL 1.16).
+        tokens = self.collective.gather_rows(loss_mask.sum().reshape(1).float()).sum()
+        batch.num_items_in_batch = tokens * s.gradient_accumulation_steps / s.plan.steps_per_generation
+        chunk = s.plan.local_rows // s.plan.steps_per_generation  # per_device_train_batch_size
+        if s.needs_old_logprobs:
+            batch.old_logps = self.handle.rollout_logprobs(batch, reference=False, chunk_size=chunk)
+        if self.handle.needs_reference_logprobs:
+            batch.ref_logps = self.handle.rollout_logprobs(batch, reference=True, chunk_size=chunk)
+
+        metrics, num_tokens = self._metrics(rollouts, batch, global_rewards, scores, stats)
+        micro_batches = shuffle_and_split(batch, s.plan.steps_per_generation, generator)
+        micro_batches[0] = replace(
+            micro_batches[0], generation_metrics=metrics, prepare_seconds=time.perf_counter() - started
+        )
+        return GenerationBatch(micro_batches, num_tokens)
+
+    def _generate(self, prompts: list[Any], row_ids: Sequence[int]) -> list[Rollout]:
+        s, tokenizer = self.settings, self.handle.tokenizer
+        # Consecutive rows of the same prompt form runs; whole groups are generated with
+        # num_generations per prompt, a group cut by a rank boundary row by row.
+        starts = [i for i in range(len(row_ids)) if i == 0 or row_ids[i] != row_ids[i - 1]]
+        runs = [b - a for a, b in zip(starts, starts[1:] + [len(row_ids)])]
+        if all(n == s.num_generations for n in runs):
+            unique = [tokenize_prompt(prompts[i], tokenizer, s.chat_template_kwargs) for i in starts]
+            return self.sampler.generate(unique, s.num_generations, s.params)
+        per_row = [tokenize_prompt(p, tokenizer, s.chat_template_kwargs) for p in prompts]
+        return self.sampler.generate(per_row, 1, s.params)
+
+    def _pad(self, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> RolloutBatch:
+        s, tokenizer = self.settings, self.handle.tokenizer
+        pad = tokenizer.pad_token_id
+        prompt_ids, prompt_mask = pad_sequences([r.prompt_ids for r in rollouts], value=pad, side="left")
+        completion_ids, completion_mask = pad_sequences([r.completion_ids for r in rollouts], value=pad, side="right")
+        tool_mask = None
+        if any(r.tool_mask is not None for r in rollouts):
+            masks = [r.tool_mask if r.tool_mask is not None else [1] * len(r.completion_ids) for r in rollouts]
+            tool_mask, _ = pad_sequences(masks, value=1, side="right")
+        sampling_logps = None
+        if all(r.sampling_logprobs is not None for r in rollouts):
+            sampling_logps, _ = pad_sequences(
+                [r.sampling_logprobs for r in rollouts], value=0.0, side="right", dtype=torch.float32
+            )
+        if s.mask_truncated_completions:
+            truncated = self._truncated(rollouts)
+            completion_mask[truncated] = 0
+            if tool_mask is not None:
+                tool_mask[truncated] = 0
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            advantages=advantages.float(),
+            num_items_in_batch=torch.tensor(0.0),
+            policy_versions=torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
+            temperature=s.params.temperature,
+            max_completion_length=s.params.max_completion_length,
+            tool_mask=tool_mask,
+            sampling_logps=sampling_logps,
+        )
+        return batch.to(device)
+
+    def _truncated(self, rollouts: list[Rollout]) -> torch.Tensor:
+        """TRL's rule: truncated iff the last completion id is neither EOS nor pad."""
+        tokenizer = self.handle.tokenizer
+        done = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+        return torch.tensor([not r.completion_ids or r.completion_ids[-1] not in done for r in rollouts])
+
+    def _metrics(
+        self, rollouts: list[Rollout], batch: RolloutBatch, global_rewards: torch.Tensor, scores: Any, stats: Any
+    ) -> tuple[dict[str, float], int]:
+        device = batch.advantages.device
+        # Lengths count policy tokens only (tool-inserted tokens excluded), masked or not.
+        local_lengths = torch.tensor(
+            [sum(r.tool_mask) if r.tool_mask is not None else len(r.completion_ids) for r in rollouts],
+            dtype=torch.float32, device=device,
+        )
+        lengths = self.collective.gather_rows(local_lengths)
+        truncated = self.collective.gather_rows(self._truncated(rollouts).float().to(device)).bool()
+        metrics = completion_metrics(lengths.cpu(), truncated.cpu())
+        metrics.update(reward_metrics(global_rewards.cpu(), scores.names, stats))
+        for name, values in sorted(scores.logged_metrics.items()):
+            local_mean = torch.tensor([sum(values) / max(len(values), 1)], device=device)
+            metrics[name] = self.collective.gather_rows(local_mean).mean().item()
+        local_tokens = batch.prompt_mask.sum() + local_lengths.sum()
+        num_tokens = int(self.collective.gather_rows(local_tokens.reshape(1).float()).sum().item())
+        return metrics, num_tokens

@@ -1,0 +1,354 @@
+"""The shared GRPO policy-loss pipeline and its typed records (spec §3.1).
+
+Every loss type runs the same steps in TRL's order; a subclass supplies only the per-token loss
+(step 4) and the aggregation (step 9):
+
+1. off-policy sequence mask (OPSM) from the *detached* current log-probs;
+2. log-ratio ``Δ = ℓ − ℓ_old`` and importance weight ``c1 = exp(Δ)`` (token) or
+   ``exp(masked mean Δ)`` (sequence);
+3. k3 reference KL, times the un-clamped ``c1`` when ``use_bias_correction_kl``;
+4. per-token loss ``L`` (subclass);
+5. ``L ← L · OPSM``; 6. ``L ← L · ρ`` (sampler IS weight, not for vespo); 7. ``L ← L + β·KL``;
+8. aggregation (subclass) and, for the grpo-like families, division by the accumulation steps;
+9. entropy bonus ``− coef · [Σ H m / max(Σ m, 1)] / GA``.
+
+Layer L1: torch, the standard library, ``grpo_lightning.types`` and ``grpo_lightning.algo``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from grpo_lightning.algo.stats import nanmax, nanmin
+from grpo_lightning.types import MetricValue
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# Loss types that sum per-token terms, so sequence-level ratios weight a sequence by its length.
+_LENGTH_WEIGHTED_AT_SEQUENCE_LEVEL = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+@dataclass
+class LossInputs:
+    """Everything one micro-step's loss needs, as plain tensors.
+
+    Attributes:
+        logps: ``(B, T)`` log-probs of the sampled tokens under the current policy (with grad).
+        old_logps: ``(B, T)`` log-probs at generation time; ``None`` means on-policy
+            (``logps.detach()``), as TRL does when it skips the old-logprob pass.
+        advantages: ``(B,)`` per-sequence advantages (``(B, T)`` per-token also accepted).
+        mask: ``(B, T)`` 1 for loss tokens (completion mask times tool mask).
+        ref_logps: ``(B, T)`` reference-model log-probs; required when ``beta != 0``.
+        sampling_logps: ``(B, T)`` log-probs reported by the sampler (vLLM); the OPSM reference
+            (``old_logps`` when absent).
+        sampling_is_weights: ``(B, T)`` or ``(B, 1)`` sampler importance-sampling correction
+            ``ρ``; multiplies the policy term (folded into φ for vespo). ``None`` disables it.
+        entropies: ``(B, T)`` per-token entropies; needed for the entropy bonus and the
+            ``entropy`` metric.
+        num_items_in_batch: Active-token count, all ranks, of the batch one optimizer step
+            consumes: the dapo/cispo/vespo normaliser. ``None`` uses this micro-batch's count.
+        max_completion_length: The dr_grpo normaliser constant when the loss object has none.
+        num_processes: ``P``, data-parallel ranks (for the dapo/cispo/vespo normaliser).
+        gradient_accumulation_steps: ``GA_eff``: micro-steps per optimizer step (1 in eval).
+        entropy_coef: Coefficient of the entropy bonus; 0 disables it.
+    """
+
+    logps: torch.Tensor
+    old_logps: torch.Tensor | None
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logps: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
+    sampling_is_weights: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    num_items_in_batch: torch.Tensor | float | None = None
+    max_completion_length: int | None = None
+    num_processes: int = 1
+    gradient_accumulation_steps: int | float = 1
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class LossOutput:
+    """The micro-step loss (already scaled as TRL returns it to backward) and its metrics.
+
+    Attributes:
+        loss: Scalar tensor to backpropagate.
+        metrics: Spec §4.2 metrics as local sums/counts (or extremes) for an exact reduction
+            across ranks and micro-steps.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, MetricValue] = field(default_factory=dict)
+
+
+@dataclass
+class LossState:
+    """Intermediate tensors of the pipeline handed to a subclass's per-token loss.
+
+    Attributes:
+        logps: ``(B, T)`` current log-probs (with grad).
+        advantages: ``(B, 1)`` (or ``(B, T)``) advantages.
+        mask: ``(B, T)`` float loss mask.
+        log_ratio: ``(B, T)`` ``ℓ − ℓ_old`` (with grad).
+        ratio: ``c1``: ``(B, T)`` at token level, ``(B, 1)`` at sequence level (with grad).
+        sampling_is_weights: The sampler IS weight ``ρ`` or ``None``.
+    """
+
+    logps: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    sampling_is_weights: torch.Tensor | None
+
+
+@dataclass
+class TokenLoss:
+    """A subclass's per-token loss and the metrics only it can compute.
+
+    Attributes:
+        values: ``(B, T)`` or ``(B, 1)`` per-token loss ``L``.
+        metrics: Loss-specific metrics (clip ratios, ``vespo/phi_seq_mean``, ...).
+    """
+
+    values: torch.Tensor
+    metrics: dict[str, MetricValue] = field(default_factory=dict)
+
+
+def mean_metric(values: torch.Tensor, mask: torch.Tensor) -> MetricValue:
+    """TRL's ``global_masked_mean`` as local (sum, count): ``(B, 1)`` inputs average over rows."""
+    values = values.detach().float()
+    if values.shape[-1] == 1:  # one value per sequence (sequence-level ratios, φ)
+        return MetricValue(values.sum(), torch.tensor(float(values.shape[0]), device=values.device))
+    mask = mask.detach().float()
+    return MetricValue((values * mask).sum(), mask.sum())
+
+
+def sequence_extreme_metric(values: torch.Tensor, mask: torch.Tensor, reduce: str) -> MetricValue:
+    """Min or max over sequences of the per-sequence masked mean (empty rows ignored, as NaN)."""
+    values = values.detach().float()
+    if values.shape[-1] == 1:
+        per_sequence = values.squeeze(-1)
+    else:
+        mask = mask.detach().float()
+        per_sequence = (values * mask).sum(-1) / mask.sum(-1)  # (B,) NaN for empty rows, as TRL
+    extreme = nanmin(per_sequence) if reduce == "min" else nanmax(per_sequence)
+    valid = (~torch.isnan(per_sequence)).sum().float()
+    return MetricValue(extreme, valid, reduce=reduce)  # type: ignore[arg-type]
+
+
+class PolicyLoss:
+    """Base class of the GRPO loss family: TRL's ``_compute_loss`` pipeline (spec §3).
+
+    Subclasses set ``name`` (the registry key) and implement :meth:`per_token_loss` and
+    :meth:`normalize`. Calling the object with :class:`LossInputs` returns :class:`LossOutput`.
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``: the ratio is clipped below at ``1 − epsilon``
+            (clipped family only).
+        epsilon_high: Upper clipping range ``ε_hi`` (``1 + epsilon_high``); ``None`` means
+            ``epsilon``. For ``cispo`` it is the cap on the ratio itself (TRL recommends 5.0).
+        delta: Two-sided clipping (INTELLECT-2): caps the unclipped ratio at ``delta`` (> 1);
+            ``None`` disables. Clipped family only.
+        beta: Coefficient of the k3 KL penalty to the reference model; 0 disables it and no
+            reference model is needed.
+        importance_sampling_level: ``"token"`` (one ratio per token) or ``"sequence"`` (GSPO: the
+            exponentiated masked mean of the token log-ratios, one per sequence).
+        use_bias_correction_kl: Multiply the per-token KL by the importance ratio ``c1``.
+        off_policy_mask_threshold: Off-policy sequence masking (DeepSeek-V3.2): drop sequences with
+            negative advantage whose mean ``ℓ_sampler − ℓ`` exceeds this value. ``None`` disables.
+    """
+
+    name: ClassVar[str] = ""
+    # vespo folds the sampler IS weight into its sequence weight instead of multiplying L by it.
+    multiplies_is_weight: ClassVar[bool] = True
+    # grpo-like families divide by the accumulation steps; dapo/cispo/vespo use a global count.
+    divides_by_accumulation: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        beta: float = 0.0,
+        importance_sampling_level: str = "token",
+        use_bias_correction_kl: bool = True,
+        off_policy_mask_threshold: float | None = None,
+    ) -> None:
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level={importance_sampling_level!r} is not valid. Choose one of "
+                f"{list(IMPORTANCE_SAMPLING_LEVELS)}."
+            )
+        check_number("epsilon", epsilon, minimum=0.0)
+        if epsilon_high is not None:
+            check_number("epsilon_high", epsilon_high, minimum=0.0)
+        if delta is not None:
+            check_number("delta", delta)
+            if delta <= 1.0:
+                raise ValueError(
+                    f"delta={delta}: the two-sided clipping cap must be > 1 (INTELLECT-2 uses 4); use None to "
+                    "disable it."
+                )
+        check_number("beta", beta, minimum=0.0)
+        if off_policy_mask_threshold is not None:
+            check_number("off_policy_mask_threshold", off_policy_mask_threshold)
+        self.epsilon = float(epsilon)
+        self.epsilon_high = None if epsilon_high is None else float(epsilon_high)
+        self.delta = None if delta is None else float(delta)
+        self.beta = float(beta)
+        self.importance_sampling_level = importance_sampling_level
+        self.use_bias_correction_kl = bool(use_bias_correction_kl)
+        self.off_policy_mask_threshold = (
+            None if off_policy_mask_threshold is None else float(off_policy_mask_threshold)
+        )
+        self._warn_about_level()
+
+    @property
+    def epsilon_low(self) -> float:
+        """``ε_lo`` (= ``epsilon``)."""
+        return self.epsilon
+
+    @property
+    def epsilon_high_value(self) -> float:
+        """``ε_hi``: ``epsilon_high``, or ``epsilon`` when that is ``None``."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def _warn_about_level(self) -> None:
+        level = self.importance_sampling_level
+        if self.name == "luspo" and level != "sequence":
+            warnings.warn(
+                "When using the 'luspo' loss, importance_sampling_level should be 'sequence' to mirror the "
+                "paper's setup.",
+                stacklevel=3,
+            )
+        if self.name == "vespo" and level != "token":
+            warnings.warn(
+                "VESPO computes sequence-level importance weights internally; importance_sampling_level "
+                "should be 'token' (the default).",
+                stacklevel=3,
+            )
+        if level == "sequence" and self.name in _LENGTH_WEIGHTED_AT_SEQUENCE_LEVEL:
+            warnings.warn(
+                f"With importance_sampling_level='sequence' the {self.name!r} loss sums per-token "
+                "contributions, which weights each sequence by its completion length instead of optimizing "
+                "the per-sequence objective. For the GSPO setup use the 'grpo' loss.",
+                stacklevel=3,
+            )
+
+    # ---- subclass hooks -------------------------------------------------------------------------
+    def per_token_loss(self, state: LossState) -> TokenLoss:
+        """Step 4: the loss-type-specific per-token loss ``L`` and its own metrics."""
+        raise NotImplementedError
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        """Step 8: aggregate ``L`` (``(B, T)`` or ``(B, 1)``) into a scalar, before any GA division."""
+        raise NotImplementedError
+
+    # ---- the pipeline ---------------------------------------------------------------------------
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        """Compute the micro-step loss and metrics (spec §3.1 order of operations)."""
+        logps = inputs.logps  # (B, T)
+        if logps.dim() != 2:
+            raise ValueError(f"logps must have shape (B, T); got {tuple(logps.shape)}.")
+        mask = inputs.mask.to(logps.dtype)  # (B, T)
+        if mask.shape != logps.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match logps {tuple(logps.shape)}.")
+        advantages = inputs.advantages.to(logps.dtype)
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)  # (B, 1)
+        old_logps = logps.detach() if inputs.old_logps is None else inputs.old_logps
+        metrics: dict[str, MetricValue] = {}
+
+        # 1. OPSM from the detached current log-probs.
+        keep = None
+        if self.off_policy_mask_threshold is not None:
+            reference = old_logps if inputs.sampling_logps is None else inputs.sampling_logps
+            keep = off_policy_mask(advantages, logps, reference, mask, self.off_policy_mask_threshold)
+
+        # 2. Importance weight.
+        log_ratio = logps - old_logps  # (B, T)
+        if self.importance_sampling_level == "token":
+            log_weights = log_ratio
+        else:  # sequence: masked mean of the token log-ratios
+            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        ratio = torch.exp(log_weights)  # (B, T) or (B, 1)
+
+        # 3. Reference KL (k3), bias-corrected with the un-clamped ratio.
+        kl = None
+        if self.beta != 0.0:
+            if inputs.ref_logps is None:
+                raise ValueError(f"beta={self.beta} needs ref_logps (reference-model log-probs).")
+            diff = inputs.ref_logps - logps
+            kl = torch.exp(diff) - diff - 1  # (B, T)
+            if self.use_bias_correction_kl:
+                kl = kl * ratio
+
+        # 4. Per-token loss.
+        state = LossState(logps, advantages, mask, log_ratio, ratio, inputs.sampling_is_weights)
+        token_loss = self.per_token_loss(state)
+        per_token = token_loss.values
+        metrics.update(token_loss.metrics)
+
+        # 5-7. OPSM, sampler IS weight, KL (never masked nor weighted).
+        if keep is not None:
+            per_token = per_token * keep
+        if inputs.sampling_is_weights is not None and self.multiplies_is_weight:
+            per_token = per_token * inputs.sampling_is_weights
+        if kl is not None:
+            per_token = per_token + self.beta * kl
+
+        # 8. Aggregate.
+        policy_loss = self.normalize(per_token, mask, inputs)
+        accumulation = inputs.gradient_accumulation_steps
+        loss = policy_loss / accumulation if self.divides_by_accumulation else policy_loss
+
+        # 9. Entropy bonus: per-token mean entropy of the micro-batch for every loss type.
+        if inputs.entropy_coef != 0.0:
+            if inputs.entropies is None:
+                raise ValueError(f"entropy_coef={inputs.entropy_coef} needs per-token entropies.")
+            mean_entropy = (inputs.entropies * mask).sum() / mask.sum().clamp(min=1.0)
+            loss = loss - inputs.entropy_coef * mean_entropy / accumulation
+            detached = policy_loss.detach().float()
+            valid = not torch.isnan(detached)
+            metrics["policy_loss"] = MetricValue(
+                detached if valid else torch.zeros_like(detached), torch.tensor(float(valid))
+            )
+
+        if kl is not None:
+            metrics["kl"] = mean_metric(kl, mask)
+        if inputs.entropies is not None:
+            metrics["entropy"] = mean_metric(inputs.entropies, mask)
+        return LossOutput(loss=loss, metrics=metrics)
+
+    def __repr__(self) -> str:
+        knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({knobs})"
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """OPSM keep-mask ``(B, 1)``: keep when ``A ≥ 0`` or mean ``(ℓ_s − ℓ)`` over the mask ``≤ threshold``.
+
+    Tokens the sampler could not score (NaN) contribute 0 to the mean, as in TRL.
+    """
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # (B, T)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+def check_number(name: str, value: float, minimum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}: expected a finite number.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value}: it must be >= {minimum}.")

@@ -1,0 +1,45 @@
+"""CISPO: clipped importance-sampling-weight policy optimisation (MiniMax-M1, spec §3.4)."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lightning.losses.base import LossInputs, LossState, PolicyLoss, TokenLoss, mean_metric
+from grpo_lightning.losses.normalizers import global_token_mean
+
+
+class CISPOLoss(PolicyLoss):
+    """CISPO: REINFORCE with a detached, upper-capped importance weight.
+
+    ``L = −min(c1, ε_hi).detach() · A · ℓ``: unlike PPO clipping no token loses its gradient,
+    the weight is only capped. There is no lower bound. Aggregated like ``dapo``:
+    ``Σ L m / (max(N, 1) / P)``, not divided by ``GA``.
+
+    Gotcha kept from TRL: ``ε_hi`` defaults to ``epsilon`` (0.2), which caps every weight at 0.2;
+    the paper's setting is ``epsilon_high=5.0``.
+
+    Metric: ``cispo_clip_ratio``, the fraction of tokens with ``c1 > ε_hi`` and ``A > 0``.
+
+    Args:
+        epsilon: Used only as the default of ``epsilon_high``.
+        epsilon_high: The cap ``ε_hi`` on the importance weight; ``None`` means ``epsilon``.
+        delta: Ignored by CISPO (kept for a uniform signature).
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+    """
+
+    name = "cispo"
+    divides_by_accumulation = False
+
+    def per_token_loss(self, state: LossState) -> TokenLoss:
+        cap = self.epsilon_high_value
+        weight = torch.clamp(state.ratio, max=cap).detach()  # (B, T)|(B, 1)
+        values = -weight * state.advantages * state.logps  # (B, T)
+        with torch.no_grad():
+            clipped = ((state.ratio > cap) & (state.advantages > 0)).float()
+        return TokenLoss(values, {"cispo_clip_ratio": mean_metric(clipped, state.mask)})
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        return global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)

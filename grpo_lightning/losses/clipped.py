@@ -1,0 +1,195 @@
+"""The PPO-style clipped family: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` (spec §3.3).
+
+They share ``L = −min(c1·A, clamp(c1, 1−ε_lo, 1+ε_hi)·A)`` (with ``c1`` optionally capped at
+``delta``) and the clip-ratio metrics, and differ only in how ``L`` is aggregated (spec §3.9).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lightning.losses.base import (
+    LossInputs,
+    LossState,
+    PolicyLoss,
+    TokenLoss,
+    check_number,
+    mean_metric,
+    sequence_extreme_metric,
+)
+from grpo_lightning.losses.normalizers import (
+    fixed_length_mean,
+    global_token_mean,
+    sequence_mean,
+    sequence_sum_mean,
+    token_mean,
+)
+
+
+class ClippedPolicyLoss(PolicyLoss):
+    """Clipped surrogate shared by the grpo-like losses; subclasses choose the aggregation.
+
+    Metrics: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``
+    (token means), ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (extremes over sequences
+    of the per-sequence clipped fraction). They use the ratio after the ``delta`` cap, as TRL does.
+    """
+
+    def per_token_loss(self, state: LossState) -> TokenLoss:
+        ratio, advantages = state.ratio, state.advantages  # (B, T)|(B, 1), (B, 1)
+        eps_lo, eps_hi = self.epsilon_low, self.epsilon_high_value
+        clipped = torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
+        if self.delta is not None:
+            ratio = torch.clamp(ratio, max=self.delta)
+        values = -torch.min(ratio * advantages, clipped * advantages)
+
+        with torch.no_grad():
+            low = ((ratio < 1 - eps_lo) & (advantages < 0)).float()
+            high = ((ratio > 1 + eps_hi) & (advantages > 0)).float()
+            region = torch.maximum(low, high)
+            metrics = {
+                "clip_ratio/low_mean": mean_metric(low, state.mask),
+                "clip_ratio/high_mean": mean_metric(high, state.mask),
+                "clip_ratio/region_mean": mean_metric(region, state.mask),
+                "clip_ratio/low_min": sequence_extreme_metric(low, state.mask, "min"),
+                "clip_ratio/high_max": sequence_extreme_metric(high, state.mask, "max"),
+            }
+        return TokenLoss(values, metrics)
+
+
+class GRPOLoss(ClippedPolicyLoss):
+    """GRPO: clipped surrogate, mean over each sequence's tokens, then over sequences.
+
+    Returned loss: ``mean_i [Σ_t L m / max(Σ_t m, 1)] / GA``. With
+    ``importance_sampling_level="sequence"`` this is GSPO.
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``.
+        epsilon_high: Upper clipping range ``ε_hi``; ``None`` means ``epsilon``.
+        delta: Cap on the unclipped ratio (two-sided clipping, > 1); ``None`` disables.
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+    """
+
+    name = "grpo"
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        return sequence_mean(per_token_loss, mask)
+
+
+class BNPOLoss(ClippedPolicyLoss):
+    """BNPO: clipped surrogate averaged over the micro-batch's active tokens.
+
+    Returned loss: ``Σ L m / max(Σ m, 1) / GA`` (local micro-batch tokens).
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``.
+        epsilon_high: Upper clipping range ``ε_hi``; ``None`` means ``epsilon``.
+        delta: Cap on the unclipped ratio (two-sided clipping, > 1); ``None`` disables.
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+    """
+
+    name = "bnpo"
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        return token_mean(per_token_loss, mask)
+
+
+class DrGRPOLoss(ClippedPolicyLoss):
+    """Dr. GRPO: clipped surrogate over a constant normaliser (no length bias).
+
+    Returned loss: ``Σ L m / (B · max_completion_length) / GA``.
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``.
+        epsilon_high: Upper clipping range ``ε_hi``; ``None`` means ``epsilon``.
+        delta: Cap on the unclipped ratio (two-sided clipping, > 1); ``None`` disables.
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+        max_completion_length: The normaliser constant; ``None`` uses the
+            ``max_completion_length`` given with each call (the generation setting).
+    """
+
+    name = "dr_grpo"
+
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        beta: float = 0.0,
+        importance_sampling_level: str = "token",
+        use_bias_correction_kl: bool = True,
+        off_policy_mask_threshold: float | None = None,
+        max_completion_length: int | None = None,
+    ) -> None:
+        super().__init__(
+            epsilon, epsilon_high, delta, beta, importance_sampling_level, use_bias_correction_kl,
+            off_policy_mask_threshold,
+        )
+        if max_completion_length is not None:
+            check_number("max_completion_length", max_completion_length, minimum=1)
+        self.max_completion_length = max_completion_length
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        length = self.max_completion_length or inputs.max_completion_length
+        if length is None:
+            raise ValueError(
+                "The 'dr_grpo' loss divides by max_completion_length, but none was given: set "
+                "max_completion_length on the loss or pass it with the call."
+            )
+        if length < 1:
+            raise ValueError(f"max_completion_length={length}: it must be at least 1.")
+        return fixed_length_mean(per_token_loss, mask, length)
+
+
+class DAPOLoss(ClippedPolicyLoss):
+    """DAPO (TRL's default): clipped surrogate averaged over the optimizer step's tokens.
+
+    Returned loss: ``Σ L m / (max(N, 1) / P)`` with ``N`` = ``num_items_in_batch`` (active tokens
+    of everything one optimizer step consumes, all ranks); not divided by ``GA``. When ``N`` is not
+    given, the micro-batch's own token count is used.
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``.
+        epsilon_high: Upper clipping range ``ε_hi``; ``None`` means ``epsilon`` (DAPO uses 0.28).
+        delta: Cap on the unclipped ratio (two-sided clipping, > 1); ``None`` disables.
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+    """
+
+    name = "dapo"
+    divides_by_accumulation = False
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        return global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)
+
+
+class LUSPOLoss(ClippedPolicyLoss):
+    """LUSPO: clipped surrogate weighted by sequence length (meant for sequence-level ratios).
+
+    Returned loss (TRL 1.16): ``mean_i [Σ_t L m] / GA``; at sequence level
+    ``(1/B) Σ_i L_i·|o_i| / GA``.
+
+    Args:
+        epsilon: Lower clipping range ``ε_lo``.
+        epsilon_high: Upper clipping range ``ε_hi``; ``None`` means ``epsilon``.
+        delta: Cap on the unclipped ratio (two-sided clipping, > 1); ``None`` disables.
+        beta: KL penalty coefficient; 0 disables the reference model.
+        importance_sampling_level: Should be ``"sequence"`` (a warning otherwise).
+        use_bias_correction_kl: Multiply the KL term by the importance ratio.
+        off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+    """
+
+    name = "luspo"
+
+    def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+        return sequence_sum_mean(per_token_loss, mask)

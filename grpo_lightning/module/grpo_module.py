@@ -1,0 +1,264 @@
+"""``GRPOModule``: the policy, the optional reference model, the loss and the optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_only
+
+from grpo_lightning.losses import LossInputs, PolicyLoss, get_loss
+from grpo_lightning.module.forward import completion_logprobs
+from grpo_lightning.utils.checkpointing import set_activation_checkpointing
+from grpo_lightning.module.metrics import MetricsWindow, reduce_metric_values
+from grpo_lightning.module.model_loading import frozen_copy, load_policy, load_tokenizer, zero_dropout
+from grpo_lightning.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+class GRPOModule(pl.LightningModule):
+    """Trains a causal LM with Group Relative Policy Optimization.
+
+    The module owns the policy (and, when the loss has a KL term, a frozen reference copy), turns
+    each :class:`~grpo_lightning.types.RolloutBatch` into per-token log-probs of the completion
+    tokens and hands them to the loss. Generation, rewards and advantages live on the data side.
+
+    Args:
+        model: A local path or hub id of a causal LM, or an instantiated ``PreTrainedModel``.
+        tokenizer: Path/id of the tokenizer; defaults to ``model``'s. Without a pad token, EOS is
+            used as pad.
+        loss: The policy loss: a name (``grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo``) or
+            a ``class_path`` with its knobs (``epsilon``, ``epsilon_high``, ``delta``, ``beta``,
+            ``importance_sampling_level``, ...). A loss with ``beta != 0`` adds a reference model.
+        learning_rate: Peak learning rate of the default AdamW optimizer (TRL default 1e-6).
+        optimizer: An optimizer factory (``class_path`` + ``init_args``) replacing the default
+            AdamW; receives the trainable parameters.
+        weight_decay: AdamW weight decay of the default optimizer.
+        lr_scheduler_type: ``linear`` (TRL/HF default: decay to 0 over the run), ``cosine``,
+            ``constant`` or ``constant_with_warmup``.
+        warmup_steps: Linear warm-up optimizer steps (overrides ``warmup_ratio`` when > 0).
+        warmup_ratio: Fraction of the planned optimizer steps used for warm-up.
+        model_init_kwargs: Extra ``from_pretrained`` keyword arguments for a path/id ``model``.
+        trust_remote_code: Allow custom model/tokenizer code from the model repository.
+        dtype: Weight dtype for a path/id ``model`` (float32 by default: fp32 master weights,
+            mixed precision comes from ``trainer.precision``).
+        gradient_checkpointing: Recompute activations in backward to save memory (TRL default on).
+        disable_dropout: Set every ``nn.Dropout`` probability to 0 in policy and reference.
+        entropy_coef: Coefficient of the entropy bonus subtracted from the loss (0 disables);
+            a public attribute that callbacks may adapt during training.
+        output_dir: Where the final policy is exported; defaults to ``trainer.default_root_dir``.
+        save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
+            ``<output_dir>/final_model`` when training ends.
+    """
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        tokenizer: str | None = None,
+        loss: str | PolicyLoss = "dapo",
+        learning_rate: float = 1e-6,
+        optimizer: OptimizerCallable | None = None,
+        weight_decay: float = 0.0,
+        lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear",
+        warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
+        model_init_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32",
+        gradient_checkpointing: bool = True,
+        disable_dropout: bool = False,
+        entropy_coef: float = 0.0,
+        output_dir: str | None = None,
+        save_final_model: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
+        if learning_rate <= 0:
+            raise ValueError(f"model.learning_rate={learning_rate}: it must be > 0.")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
+        self.loss: PolicyLoss = get_loss(loss)
+        self.policy = load_policy(
+            model, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+        tokenizer_source = tokenizer or (model if isinstance(model, str) else getattr(model, "name_or_path", None))
+        if not tokenizer_source:
+            raise ValueError(
+                "model.tokenizer is required when model is an instantiated model without a "
+                "name_or_path: give the tokenizer's path."
+            )
+        self._tokenizer = load_tokenizer(tokenizer_source, trust_remote_code=trust_remote_code)
+        if disable_dropout:
+            zero_dropout(self.policy)
+        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
+        if gradient_checkpointing:
+            set_activation_checkpointing(self.policy, True)
+        if getattr(self.policy, "config", None) is not None:
+            self.policy.config.use_cache = False  # training forwards never reuse a KV cache
+        # Frozen copy of the initial weights; only when the loss has a KL term.
+        self.ref_policy = frozen_copy(self.policy) if self.loss.beta != 0 else None
+
+        self.learning_rate = learning_rate
+        self.optimizer_factory = optimizer
+        self.weight_decay = weight_decay
+        self.lr_scheduler_type = lr_scheduler_type
+        self.warmup_steps = warmup_steps
+        self.warmup_ratio = warmup_ratio
+        self.entropy_coef = entropy_coef
+        self.output_dir = output_dir
+        self.save_final_model = save_final_model
+
+        self._window = MetricsWindow()
+        self._step_loss = 0.0
+        self._step_time = 0.0
+        self._batch_started = 0.0
+        self._grad_norm = math.nan
+        self._last_global_step = 0
+
+    # ----------------------------------------------------------------- PolicyHandle protocol
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self.trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        return self.ref_policy is not None
+
+    @torch.no_grad()
+    def rollout_logprobs(self, batch: RolloutBatch, *, reference: bool, chunk_size: int) -> torch.Tensor:
+        """No-grad completion log-probs under the current policy or the reference, ``(B, T)``."""
+        model = self.ref_policy if reference else self.policy
+        if model is None:
+            raise RuntimeError("Reference log-probs were requested but the loss has beta == 0.")
+        chunks = []
+        for start in range(0, len(batch), chunk_size):
+            rows = slice(start, start + chunk_size)
+            logps, _ = completion_logprobs(
+                model,
+                batch.prompt_ids[rows],
+                batch.prompt_mask[rows],
+                batch.completion_ids[rows],
+                batch.completion_mask[rows],
+                batch.temperature,
+                with_entropy=False,
+            )
+            chunks.append(logps)
+        return torch.cat(chunks)
+
+    # ----------------------------------------------------------------------- training
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        logps, entropies = completion_logprobs(
+            self.policy,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.completion_ids,
+            batch.completion_mask,
+            batch.temperature,
+            entropy_requires_grad=self.entropy_coef != 0,
+        )  # (B, T), (B, T)
+        out = self.loss(
+            LossInputs(
+                logps=logps,
+                old_logps=batch.old_logps,
+                advantages=batch.advantages,
+                mask=batch.loss_mask,
+                ref_logps=batch.ref_logps,
+                sampling_logps=batch.sampling_logps,
+                sampling_is_weights=batch.sampling_is_weights,
+                entropies=entropies,
+                num_items_in_batch=batch.num_items_in_batch,
+                max_completion_length=batch.max_completion_length,
+                num_processes=self.trainer.world_size,
+                gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
+                entropy_coef=self.entropy_coef,
+            )
+        )
+        self._window.add(batch.generation_metrics)
+        self._window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
+        self._step_loss += float(out.loss.detach())
+        self._step_time += batch.prepare_seconds
+        # The loss is in TRL's scale, which already includes any division by the accumulation
+        # steps; Lightning divides by accumulate_grad_batches again, so undo that here.
+        return out.loss * self.trainer.accumulate_grad_batches
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_started = time.perf_counter()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad.detach().float().norm() for p in self.policy.parameters() if p.grad is not None]
+        self._grad_norm = float(torch.stack(grads).norm()) if grads else math.nan  # before clipping
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._step_time += time.perf_counter() - self._batch_started
+        if self.trainer.global_step == self._last_global_step:
+            return  # still accumulating
+        self._last_global_step = self.trainer.global_step
+        loss = self._step_loss
+        if self.trainer.world_size > 1:
+            loss = float(self._all_reduce(torch.tensor(loss, device=self.device), "sum")) / self.trainer.world_size
+        self._window.add(
+            {
+                "loss": loss,
+                "step_time": self._step_time,
+                "grad_norm": self._grad_norm,
+                "learning_rate": self.trainer.optimizers[0].param_groups[0]["lr"],
+            }
+        )
+        self._step_loss, self._step_time = 0.0, 0.0
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop:
+            self._log_window()
+
+    def on_train_epoch_end(self) -> None:
+        if self._window:
+            self._log_window()
+
+    def _log_window(self) -> None:
+        metrics = {k: v for k, v in self._window.flush().items() if not math.isnan(v)}
+        metrics["epoch"] = float(self.current_epoch)
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.trainer.global_step)
+        for name in ("reward", "loss"):
+            if name in metrics:
+                self.log(name, metrics[name], prog_bar=True, logger=False, on_step=True, batch_size=1)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return self.trainer.strategy.reduce(tensor.clone().to(self.device), reduce_op=op)
+
+    # ---------------------------------------------------------------------- optimizer
+    def configure_optimizers(self) -> dict[str, Any]:
+        from transformers import get_scheduler
+
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)
+        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = self.warmup_steps or math.ceil(self.warmup_ratio * total_steps)
+        scheduler = get_scheduler(
+            self.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------- export
+    def on_train_end(self) -> None:
+        if self.save_final_model:
+            self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
+
+    @rank_zero_only
+    def export(self, directory: str) -> None:
+        """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers)."""
+        self.policy.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        log.info("Final policy saved to %s", directory)

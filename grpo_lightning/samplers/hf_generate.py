@@ -1,0 +1,115 @@
+"""Default sampler: ``transformers`` ``model.generate`` on the live policy, in-process."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.utils.checkpointing import is_activation_checkpointing, set_activation_checkpointing
+from grpo_lightning.types import GenerationParams, PromptInput, Rollout
+
+
+@contextmanager
+def generation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Turn gradient checkpointing off and the KV cache on for the duration of generation
+    (with checkpointing on, HF ``generate`` silently disables the cache and becomes quadratic)."""
+    checkpointing = is_activation_checkpointing(model)
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if checkpointing:
+        set_activation_checkpointing(model, False)
+    if config is not None:
+        config.use_cache = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if config is not None:
+            config.use_cache = use_cache
+        if checkpointing:
+            set_activation_checkpointing(model, True)
+
+
+class HFGenerateSampler(Sampler):
+    """Samples with ``transformers`` ``generate`` on the policy being trained (no weight copies).
+
+    Prompts are left-padded into batches; a completion is cut after its first EOS token
+    (inclusive), as TRL does.
+
+    Args:
+        cache_implementation: KV-cache implementation passed to ``GenerationConfig``
+            (e.g. ``"static"``); ``None`` uses the model's default dynamic cache.
+        max_batch_rows: generate at most this many sequences per ``generate`` call, to bound
+            memory; ``None`` generates the whole request at once.
+    """
+
+    name = "hf_generate"
+
+    def __init__(self, cache_implementation: str | None = None, max_batch_rows: int | None = None):
+        super().__init__()
+        if max_batch_rows is not None and max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows={max_batch_rows}: use a positive number or None.")
+        self.cache_implementation = cache_implementation
+        self.max_batch_rows = max_batch_rows
+
+    def generation_config(self, params: GenerationParams) -> Any:
+        from transformers import GenerationConfig
+
+        tokenizer = self.handle.tokenizer
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=params.max_completion_length,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            cache_implementation=self.cache_implementation,
+            disable_compile=True,
+        )
+        kwargs.update(params.generation_kwargs or {})
+        return GenerationConfig(**kwargs)
+
+    def generate(
+        self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams
+    ) -> list[Rollout]:
+        rows = [list(p) for p in prompts for _ in range(num_generations)]
+        step = self.max_batch_rows or len(rows)
+        config = self.generation_config(params)
+        rollouts: list[Rollout] = []
+        for start in range(0, len(rows), step):
+            rollouts.extend(self._generate_rows(rows[start : start + step], config))
+        return rollouts
+
+    def _generate_rows(self, rows: list[list[int]], config: Any) -> list[Rollout]:
+        handle = self.handle
+        model, tokenizer, device = handle.policy, handle.tokenizer, handle.device
+        width = max(len(r) for r in rows)
+        pad = tokenizer.pad_token_id
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (R, Tp) left-padded
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids) :] = 1
+        with generation_mode(model):
+            sequences = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+            )
+        completions = sequences[:, width:].tolist()  # (R, <=max_new_tokens)
+        eos = tokenizer.eos_token_id
+        version = handle.policy_version
+        rollouts = []
+        for prompt, ids in zip(rows, completions):
+            ended = eos in ids
+            if ended:
+                ids = ids[: ids.index(eos) + 1]
+            rollouts.append(Rollout(prompt, ids, ended_on_eos=ended, policy_version=version))
+        return rollouts

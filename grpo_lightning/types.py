@@ -1,0 +1,183 @@
+"""Shared typed records: the contract between the data side, the samplers and the module.
+
+Layer L0: imports torch and the standard library only.
+
+Notation used in shape comments throughout the package:
+``B`` rows of a (micro-)batch, ``T`` padded completion width, ``Tp`` padded prompt width,
+``G`` = ``num_generations``, ``F`` = number of reward sources, ``N`` rows of a global generation batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling settings shared by every sampler back-end (TRL's generation fields).
+
+    Args:
+        max_completion_length: Maximum number of new tokens per completion. Also the ``dr_grpo``
+            normaliser constant.
+        temperature: Sampling temperature. The training log-probs are computed from logits divided
+            by the same temperature, so the policy being optimised is the one that sampled.
+        top_p: Nucleus sampling mass.
+        top_k: Keep the ``top_k`` most likely tokens; 0 disables.
+        min_p: Minimum token probability relative to the most likely one; ``None`` disables.
+        repetition_penalty: HF/vLLM repetition penalty; 1.0 disables.
+        generation_kwargs: Extra back-end keyword arguments; they override the fields above.
+    """
+
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_completion_length < 1:
+            raise ValueError(
+                f"max_completion_length={self.max_completion_length}: it must be at least 1 token."
+            )
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature}: it must be > 0 (the training log-probs divide the "
+                "logits by it). For near-greedy sampling use a small value such as 0.01."
+            )
+
+
+@dataclass
+class MetricValue:
+    """A metric that can be reduced exactly across ranks and micro-steps.
+
+    ``reduce="mean"``: ``total`` is a local sum and ``count`` its local denominator; the global value
+    is ``sum(total) / sum(count)`` over ranks. ``reduce="min"``/``"max"``: ``total`` is the local
+    extreme (NaN when there is none) and ``count`` is unused.
+    """
+
+    total: torch.Tensor
+    count: torch.Tensor
+    reduce: Literal["mean", "min", "max"] = "mean"
+
+    def local(self) -> float:
+        """The value on this rank alone."""
+        if self.reduce == "mean":
+            count = float(self.count)
+            return float(self.total) / count if count > 0 else float("nan")
+        return float(self.total)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion, exactly as the sampler produced it (token in, token out).
+
+    ``completion_ids`` are the ids trained on: never decoded and re-tokenized.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    # True when generation stopped on an EOS token (the completion ends with it), False when cut
+    # by ``max_completion_length``.
+    ended_on_eos: bool
+    # Optimizer step (``trainer.global_step``) of the weights that produced this completion.
+    policy_version: int
+    # Per-token log-probs reported by the sampler (vLLM), aligned with ``completion_ids``.
+    sampling_logprobs: list[float] | None = None
+    # 1 for tokens the policy generated, 0 for tokens inserted by tools/environments.
+    tool_mask: list[int] | None = None
+    # Extra per-rollout fields handed to reward functions as columns (e.g. from an agent loop).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    """A training micro-batch: padded tensors plus the bookkeeping the loss needs.
+
+    Built by the data side, consumed by ``GRPOModule.training_step``. Tensors are on the
+    training device.
+    """
+
+    prompt_ids: torch.Tensor  # (B, Tp) left-padded
+    prompt_mask: torch.Tensor  # (B, Tp) 1 = real token
+    completion_ids: torch.Tensor  # (B, T) right-padded
+    completion_mask: torch.Tensor  # (B, T) 1 = real token (zeroed rows for masked truncations)
+    advantages: torch.Tensor  # (B,)
+    # Global count of loss tokens per optimizer step (all ranks): the dapo/cispo/vespo normaliser.
+    num_items_in_batch: torch.Tensor  # () float
+    policy_versions: torch.Tensor  # (B,) long: optimizer step that generated each row
+    temperature: float = 1.0
+    max_completion_length: int = 512
+    tool_mask: torch.Tensor | None = None  # (B, T) 1 = policy token
+    old_logps: torch.Tensor | None = None  # (B, T) log-probs at generation time, when needed
+    ref_logps: torch.Tensor | None = None  # (B, T) reference-model log-probs when beta != 0
+    sampling_logps: torch.Tensor | None = None  # (B, T) sampler-reported log-probs
+    sampling_is_weights: torch.Tensor | None = None  # (B, T) or (B, 1) sampler IS correction
+    # Generation-side metrics, present on the first micro-batch of each generation batch only,
+    # so that they are averaged once per generation batch (TRL semantics).
+    generation_metrics: dict[str, float] = field(default_factory=dict)
+    # Seconds spent preparing this micro-batch (generation, rewards, old/ref log-probs).
+    prepare_seconds: float = 0.0
+    # Which generation batch / micro-batch / replay this is (for logging and tests).
+    generation_index: int = 0
+    micro_index: int = 0
+    iteration: int = 0
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``completion_mask * tool_mask``: the tokens the loss and the token counts use. (B, T)"""
+        if self.tool_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.tool_mask
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+
+@runtime_checkable
+class PolicyHandle(Protocol):
+    """What the data side and samplers may use of the live policy (the module implements it).
+
+    The data side reaches it as ``trainer.lightning_module``; it never imports the module.
+    """
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The live (unwrapped) policy model, for generation."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (a ``PreTrainedTokenizerBase``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def policy_version(self) -> int:
+        """Optimizer steps taken so far: stamped on every rollout."""
+
+    def rollout_logprobs(
+        self, batch: RolloutBatch, *, reference: bool, chunk_size: int
+    ) -> torch.Tensor:
+        """No-grad per-token log-probs of ``batch`` completions, ``(B, T)``, under the current
+        policy (``reference=False``, the "old" log-probs) or the frozen reference model."""
+
+    @property
+    def needs_reference_logprobs(self) -> bool:
+        """True when the loss has a KL term (beta != 0)."""
+
+
+PromptInput = Sequence[int]
+"""A tokenized prompt: the sampler receives ids, never text."""
