@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Literal
 
 import lightning.pytorch as pl
@@ -19,6 +20,8 @@ from grpo_lightning.samplers import Sampler, get_sampler
 from grpo_lightning.types import GenerationParams, PolicyHandle, RolloutBatch
 
 log = logging.getLogger(__name__)
+# Our stream has an exact length and always runs in the main process (num_workers=0).
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 _SCALE_CHOICES = ("group", "batch", "none")
 _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")

@@ -8,7 +8,7 @@ True
 0.0
 """
 
-from grpo_lightning.losses.base import LossInputs, LossOutput, LossState, PolicyLoss, TokenLoss
+from grpo_lightning.losses.base import PolicyLoss, check_number, off_policy_mask
 from grpo_lightning.losses.cispo import CISPOLoss
 from grpo_lightning.losses.clipped import (
     BNPOLoss,
@@ -19,6 +19,7 @@ from grpo_lightning.losses.clipped import (
     LUSPOLoss,
 )
 from grpo_lightning.losses.functional import policy_loss
+from grpo_lightning.losses.records import LossInputs, LossOutput, LossState, TokenLoss
 from grpo_lightning.losses.registry import LOSSES, get_loss
 from grpo_lightning.losses.sapo import SAPOLoss
 from grpo_lightning.losses.vespo import VESPOLoss
@@ -39,6 +40,8 @@ __all__ = [
     "SAPOLoss",
     "TokenLoss",
     "VESPOLoss",
+    "check_number",
     "get_loss",
+    "off_policy_mask",
     "policy_loss",
 ]

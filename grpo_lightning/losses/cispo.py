@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lightning.losses.base import LossInputs, LossState, PolicyLoss, TokenLoss, mean_metric
+from grpo_lightning.losses.base import PolicyLoss
+from grpo_lightning.losses.metrics import mean_metric
 from grpo_lightning.losses.normalizers import global_token_mean
+from grpo_lightning.losses.records import LossInputs, LossState, TokenLoss
 
 
 class CISPOLoss(PolicyLoss):

@@ -8,15 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lightning.losses.base import (
-    LossInputs,
-    LossState,
-    PolicyLoss,
-    TokenLoss,
-    check_number,
-    mean_metric,
-    sequence_extreme_metric,
-)
+from grpo_lightning.losses.base import PolicyLoss, check_number
+from grpo_lightning.losses.metrics import mean_metric, sequence_extreme_metric
 from grpo_lightning.losses.normalizers import (
     fixed_length_mean,
     global_token_mean,
@@ -24,6 +17,7 @@ from grpo_lightning.losses.normalizers import (
     sequence_sum_mean,
     token_mean,
 )
+from grpo_lightning.losses.records import LossInputs, LossState, TokenLoss
 
 
 class ClippedPolicyLoss(PolicyLoss):

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from grpo_lightning.losses.base import LossInputs
+from grpo_lightning.losses.records import LossInputs
 from grpo_lightning.losses.registry import LOSSES, get_loss
 
 

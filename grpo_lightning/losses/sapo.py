@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lightning.losses.base import LossInputs, LossState, PolicyLoss, TokenLoss, check_number
+from grpo_lightning.losses.base import PolicyLoss, check_number
 from grpo_lightning.losses.normalizers import sequence_mean
+from grpo_lightning.losses.records import LossInputs, LossState, TokenLoss
 
 
 class SAPOLoss(PolicyLoss):

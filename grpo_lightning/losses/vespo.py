@@ -6,15 +6,10 @@ import math
 
 import torch
 
-from grpo_lightning.losses.base import (
-    LossInputs,
-    LossState,
-    PolicyLoss,
-    TokenLoss,
-    check_number,
-    mean_metric,
-)
+from grpo_lightning.losses.base import PolicyLoss, check_number
+from grpo_lightning.losses.metrics import mean_metric
 from grpo_lightning.losses.normalizers import global_token_mean
+from grpo_lightning.losses.records import LossInputs, LossState, TokenLoss
 
 LOG_MIN_WEIGHT = math.log(1e-8)  # ≈ −18.42: lower clamp of the log sequence weight
 LOG_MAX_WEIGHT = 20.0

@@ -217,18 +217,18 @@ class GRPOModule(pl.LightningModule):
         )
         self._step_loss, self._step_time = 0.0, 0.0
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop:
-            self._log_window()
+            self._log_window(progress_bar=True)
 
     def on_train_epoch_end(self) -> None:
         if self._window:
-            self._log_window()
+            self._log_window(progress_bar=False)
 
-    def _log_window(self) -> None:
+    def _log_window(self, progress_bar: bool) -> None:
         metrics = {k: v for k, v in self._window.flush().items() if not math.isnan(v)}
         metrics["epoch"] = float(self.current_epoch)
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.trainer.global_step)
-        for name in ("reward", "loss"):
+        for name in ("reward", "loss") if progress_bar else ():
             if name in metrics:
                 self.log(name, metrics[name], prog_bar=True, logger=False, on_step=True, batch_size=1)
 

@@ -1,0 +1,34 @@
+"""Loss-side metrics as exact local (sum, count) or extreme records (spec §4.2).
+
+TRL reduces ``Σ_ranks Σ(x·m) / Σ_ranks Σ m`` for token metrics and nanmin/nanmax over all ranks'
+sequences for the extremes; returning local sums and counts lets the caller reproduce that exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lightning.algo.stats import nanmax, nanmin
+from grpo_lightning.types import MetricValue
+
+
+def mean_metric(values: torch.Tensor, mask: torch.Tensor) -> MetricValue:
+    """TRL's ``global_masked_mean`` as local (sum, count): ``(B, 1)`` inputs average over rows."""
+    values = values.detach().float()
+    if values.shape[-1] == 1:  # one value per sequence (sequence-level ratios, φ)
+        return MetricValue(values.sum(), torch.tensor(float(values.shape[0]), device=values.device))
+    mask = mask.detach().float()
+    return MetricValue((values * mask).sum(), mask.sum())
+
+
+def sequence_extreme_metric(values: torch.Tensor, mask: torch.Tensor, reduce: str) -> MetricValue:
+    """Min or max over sequences of the per-sequence masked mean (empty rows ignored, as NaN)."""
+    values = values.detach().float()
+    if values.shape[-1] == 1:
+        per_sequence = values.squeeze(-1)
+    else:
+        mask = mask.detach().float()
+        per_sequence = (values * mask).sum(-1) / mask.sum(-1)  # (B,) NaN for empty rows, as TRL
+    extreme = nanmin(per_sequence) if reduce == "min" else nanmax(per_sequence)
+    valid = (~torch.isnan(per_sequence)).sum().float()
+    return MetricValue(extreme, valid, reduce=reduce)  # type: ignore[arg-type]

@@ -1,0 +1,40 @@
+"""Shared test helpers: a tiny model on disk, prompt files and simple reward functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
+
+ALPHABET = "0123456789+=abc "
+
+
+def make_model_dir(path: Path, architecture: str = "llama", seed: int = 0) -> str:
+    """Save a tiny random causal LM and its char tokenizer to ``path``; return the path."""
+    tokenizer = build_char_tokenizer(ALPHABET)
+    model = build_tiny_causal_lm(len(tokenizer), architecture=architecture, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def write_prompts(path: Path, num_rows: int = 24, conversational: bool = False) -> str:
+    """A jsonl file of ``a+b=`` prompts with an ``answer`` column."""
+    with open(path, "w") as f:
+        for i in range(num_rows):
+            a, b = i % 10, (3 * i) % 10
+            prompt = [{"role": "user", "content": f"{a}+{b}="}] if conversational else f"{a}+{b}="
+            f.write(json.dumps({"prompt": prompt, "answer": str(a + b)}) + "\n")
+    return str(path)
+
+
+def length_reward(completions, **kwargs):
+    """Longer completions score higher: varied rewards, so advantages are non-zero."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t)) for t in texts]
+
+
+def count_a_reward(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(t.count("a")) for t in texts]

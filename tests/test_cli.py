@@ -1,0 +1,85 @@
+"""``grpo fit`` end to end: YAML config, overrides, MLflow by default, clear config errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from grpo_lightning.cli import main
+from tests.helpers import make_model_dir, write_prompts
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    config = {
+        "trainer": {"max_steps": 2, "accelerator": "cpu", "default_root_dir": str(root / "run"), "log_every_n_steps": 1,
+                    "enable_progress_bar": False},
+        "model": {"model": make_model_dir(root / "model"), "loss": "grpo", "learning_rate": 1e-2},
+        "data": {
+            "dataset": write_prompts(root / "prompts.jsonl"),
+            "reward_funcs": ["tests.helpers.length_reward", "tests.helpers.count_a_reward"],
+            "reward_weights": [1.0, 0.5],
+            "num_generations": 4,
+            "per_device_train_batch_size": 8,
+            "generation": {"max_completion_length": 6},
+        },
+    }
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, root / "run"
+
+
+@pytest.mark.slow
+def test_fit_logs_metrics_params_and_config_to_mlflow(config_file):
+    from mlflow.tracking import MlflowClient
+
+    path, run_dir = config_file
+    main(["fit", "--config", str(path)])
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+    experiment = client.get_experiment_by_name("grpo")
+    (run,) = client.search_runs([experiment.experiment_id])
+    metrics = run.data.metrics
+    for name in ["reward", "reward_std", "loss", "entropy", "num_tokens", "step_time", "learning_rate", "grad_norm",
+                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+                 "rewards/length_reward/mean", "rewards/count_a_reward/std", "clip_ratio/region_mean"]:
+        assert name in metrics, f"{name} not logged; got {sorted(metrics)}"
+    assert len(client.get_metric_history(run.info.run_id, "reward")) == 2  # log_every_n_steps=1
+    assert run.data.params["config/model.loss"] == '"grpo"'
+    assert run.data.params["config/data.num_generations"] == "4"
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in artifacts
+    assert (run_dir / "final_model" / "config.json").exists()
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_print_config_shows_defaults_and_overrides(config_file, capsys):
+    path, _ = config_file
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--model.learning_rate", "0.5", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["learning_rate"] == 0.5
+    assert printed["data"]["generation"]["temperature"] == 1.0
+    assert printed["trainer"]["gradient_clip_val"] == 1.0  # TRL's max_grad_norm
+
+
+def test_unknown_config_key_is_named(config_file, tmp_path, capsys):
+    path, _ = config_file
+    config = yaml.safe_load(path.read_text())
+    config["data"]["num_generation"] = 4  # typo
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(bad)])
+    assert exit_info.value.code != 0
+    assert "num_generation" in capsys.readouterr().err
+
+
+def test_help_works_without_optional_extras(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--data.num_generations" in out and "--model.loss" in out
+    assert "Completions per prompt" in out  # docstrings are the CLI help
