@@ -10,6 +10,7 @@ With no logger configured, runs log to MLflow in a sqlite store under the run fo
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
@@ -47,13 +48,13 @@ class LogConfigToMLflow(SaveConfigCallback):
         if trainer.is_global_zero:
             os.makedirs(trainer.default_root_dir, exist_ok=True)
             path = os.path.join(trainer.default_root_dir, self.config_filename)
-            self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=False)
+            self.parser.save(self.config, path, skip_unset=False, overwrite=True, multifile=False)
         for logger in trainer.loggers:
             if not isinstance(logger, MLFlowLogger):
                 continue
-            text = self.parser.dump(self.config, skip_none=False)
+            text = self.parser.dump(self.config, skip_unset=False)
             logger.experiment.log_text(logger.run_id, text, "config.yaml")
-            flat = _flatten(self.parser.dump(self.config, format="json", skip_none=False))
+            flat = _flatten(self.parser.dump(self.config, format="json", skip_unset=False))
             logger.log_hyperparams({f"config/{k}": v for k, v in flat.items()})
 
 
@@ -87,8 +88,18 @@ class GRPOLightningCLI(LightningCLI):
             trainer.logger = Namespace(class_path=logger["class_path"], init_args=Namespace(**logger["init_args"]))
 
 
+def _show_package_logs() -> None:
+    package_log = logging.getLogger("grpo_lightning")
+    if not package_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        package_log.addHandler(handler)
+        package_log.setLevel(logging.INFO)
+
+
 def main(args: list[str] | None = None) -> GRPOLightningCLI:
     """Entry point of the ``grpo`` console script."""
+    _show_package_logs()
     return GRPOLightningCLI(
         GRPOModule,
         RolloutDataModule,

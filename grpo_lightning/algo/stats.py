@@ -51,10 +51,7 @@ def nanmin(tensor: torch.Tensor) -> torch.Tensor:
     >>> nanmin(torch.tensor([float("nan")])).isnan().item()
     True
     """
-    valid = tensor[~torch.isnan(tensor)]
-    if valid.numel() == 0:
-        return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
-    return valid.min()
+    return _nan_extreme(tensor, float("inf"), torch.min)
 
 
 def nanmax(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,10 +60,17 @@ def nanmax(tensor: torch.Tensor) -> torch.Tensor:
     >>> float(nanmax(torch.tensor([float("nan"), 2.0, 1.0])))
     2.0
     """
-    valid = tensor[~torch.isnan(tensor)]
-    if valid.numel() == 0:
-        return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
-    return valid.max()
+    return _nan_extreme(tensor, float("-inf"), torch.max)
+
+
+def _nan_extreme(tensor: torch.Tensor, fill: float, reduce) -> torch.Tensor:
+    # Without boolean indexing, so that no device-to-host sync is needed.
+    nan = torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+    if tensor.numel() == 0:
+        return nan
+    is_nan = torch.isnan(tensor)
+    extreme = reduce(torch.where(is_nan, torch.full_like(tensor, fill), tensor))
+    return torch.where(is_nan.all(), nan, extreme)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -63,6 +63,9 @@ class RolloutDataModule(pl.LightningDataModule):
         sampler: Generation back-end: a short name (``hf_generate``) or a ``class_path``.
         chat_template_kwargs: Extra arguments for ``apply_chat_template`` (e.g.
             ``enable_thinking: false``).
+        prompt_as_chat: Wrap plain-text prompts as a user message, so an instruct model's chat
+            template is applied (datasets such as GSM8K store the question as text).
+        system_prompt: A system message put before each conversational prompt that has none.
         scale_rewards: Advantage scaling: ``group`` (per-group std), ``batch`` (whole-batch std) or
             ``none``; ``true``/``false`` mean ``group``/``none``.
         multi_objective_aggregation: ``sum_then_normalize`` (weighted sum, then group
@@ -90,6 +93,8 @@ class RolloutDataModule(pl.LightningDataModule):
         generation: GenerationParams = GenerationParams(),
         sampler: str | Sampler = "hf_generate",
         chat_template_kwargs: dict[str, Any] | None = None,
+        prompt_as_chat: bool = False,
+        system_prompt: str | None = None,
         scale_rewards: Literal["group", "batch", "none"] | bool = "group",
         multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         mask_truncated_completions: bool = False,
@@ -119,6 +124,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.seed = seed
         self.generation = generation
         self.chat_template_kwargs = chat_template_kwargs
+        self.prompt_as_chat = prompt_as_chat
+        self.system_prompt = system_prompt
         self.scale_rewards = scale_rewards
         self.multi_objective_aggregation = multi_objective_aggregation
         self.mask_truncated_completions = mask_truncated_completions
@@ -163,6 +170,8 @@ class RolloutDataModule(pl.LightningDataModule):
             multi_objective_aggregation=self.multi_objective_aggregation,
             mask_truncated_completions=self.mask_truncated_completions,
         )
+        if trainer.is_global_zero:
+            log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
         collective = Collective(trainer.global_rank, trainer.world_size, self._all_gather)
         self.sampler.bind(handle)
         self.builder = RolloutBuilder(settings, self.sampler, self.rewards, handle, collective)
@@ -209,7 +218,7 @@ class RolloutDataModule(pl.LightningDataModule):
         global_ids = [i for i in prompts for _ in range(self.num_generations)]
         rank = self.trainer.global_rank
         row_ids = global_ids[rank * plan.local_rows : (rank + 1) * plan.local_rows]
-        rows = [self.train_dataset[i] for i in row_ids]
+        rows = [self._format_row(self.train_dataset[i]) for i in row_ids]
         # A private generator per generation batch: the micro-batch shuffle is reproducible on
         # resume and independent of any other use of the global RNG.
         generator = torch.Generator().manual_seed(
@@ -222,6 +231,14 @@ class RolloutDataModule(pl.LightningDataModule):
         built.micro_batches[0].generation_metrics["num_tokens"] = float(self.num_tokens)
         return built.micro_batches
 
+    def _format_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        prompt = row["prompt"]
+        if self.prompt_as_chat and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None and isinstance(prompt, list) and prompt[0].get("role") != "system":
+            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
+        return {**row, "prompt": prompt}
+
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens}
@@ -230,6 +247,30 @@ class RolloutDataModule(pl.LightningDataModule):
         self.micro_steps_done = int(state_dict["micro_steps_done"])
         self.num_tokens = int(state_dict["num_tokens"])
         self._buffer_key, self._buffer = None, []
+
+
+def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer: Any, reference: bool) -> str:
+    """GRPO's batch arithmetic in a few lines: the most common source of confusion."""
+    plan, accumulate = settings.plan, trainer.accumulate_grad_batches
+    if trainer.max_steps and trainer.max_steps > 0:
+        planned = f"{trainer.max_steps} (trainer.max_steps)"
+    else:
+        epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+        planned = f"{epochs * schedule.steps_per_epoch // accumulate} ({epochs} epoch(s))"
+    per_step = trainer.world_size * accumulate * (plan.local_rows // plan.steps_per_generation)
+    return "\n".join([
+        "GRPO run summary",
+        f"  world size {trainer.world_size}; micro-batch {plan.local_rows // plan.steps_per_generation} completions "
+        f"per rank; accumulation {accumulate}",
+        f"  generation batch: {plan.generation_batch_size} completions = {plan.prompts_per_generation} prompts x "
+        f"{settings.num_generations}; cut into {plan.steps_per_generation} micro-batches per rank, replayed "
+        f"{settings.num_iterations} time(s)",
+        f"  optimizer step: {per_step} completions; {schedule.steps_per_epoch // accumulate} steps per epoch; "
+        f"planned optimizer steps: {planned}",
+        f"  forward passes per micro-batch: policy (with grad)"
+        f"{'; old log-probs (no grad)' if settings.needs_old_logprobs else ''}"
+        f"{'; reference log-probs (no grad)' if reference else ''}",
+    ])
 
 
 def _without_generation_metrics(batch: RolloutBatch) -> RolloutBatch:

@@ -18,6 +18,7 @@ from grpo_lightning.losses.clipped import (
     GRPOLoss,
     LUSPOLoss,
 )
+from grpo_lightning.losses.entropy_mask import top_entropy_mask
 from grpo_lightning.losses.functional import policy_loss
 from grpo_lightning.losses.records import LossInputs, LossOutput, LossState, TokenLoss
 from grpo_lightning.losses.registry import LOSSES, get_loss
@@ -44,4 +45,5 @@ __all__ = [
     "get_loss",
     "off_policy_mask",
     "policy_loss",
+    "top_entropy_mask",
 ]

@@ -8,9 +8,10 @@ Every loss type runs the same steps in TRL's order; a subclass supplies only the
    ``exp(masked mean Δ)`` (sequence);
 3. k3 reference KL, times the un-clamped ``c1`` when ``use_bias_correction_kl``;
 4. per-token loss ``L`` (subclass);
-5. ``L ← L · OPSM``; 6. ``L ← L · ρ`` (sampler IS weight, not for vespo); 7. ``L ← L + β·KL``;
-8. aggregation (subclass) and, for the grpo-like families, division by the accumulation steps;
-9. entropy bonus ``− coef · [Σ H m / max(Σ m, 1)] / GA``.
+5. ``L ← L · OPSM``; 6. ``L ← L · E`` (top-entropy mask, if given);
+7. ``L ← L · ρ`` (sampler IS weight, not for vespo); 8. ``L ← L + β·KL``;
+9. aggregation (subclass) and, for the grpo-like families, division by the accumulation steps;
+10. entropy bonus ``− coef · [Σ H m' / max(Σ m', 1)] / GA`` with ``m' = m · E``.
 
 Layer L1: torch, the standard library, ``grpo_lightning.types`` and ``grpo_lightning.algo``.
 """
@@ -27,7 +28,9 @@ from grpo_lightning.losses.metrics import mean_metric
 from grpo_lightning.losses.records import LossInputs, LossOutput, LossState, TokenLoss
 from grpo_lightning.types import MetricValue
 
-__all__ = ["PolicyLoss", "LossInputs", "LossOutput", "LossState", "TokenLoss", "check_number", "off_policy_mask"]
+__all__ = [
+    "LossInputs", "LossOutput", "LossState", "PolicyLoss", "TokenLoss", "check_number", "off_policy_mask",
+]
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # Loss types that sum per-token terms, so sequence-level ratios weight a sequence by its length.
@@ -84,8 +87,8 @@ class PolicyLoss:
             check_number("delta", delta)
             if delta <= 1.0:
                 raise ValueError(
-                    f"delta={delta}: the two-sided clipping cap must be > 1 (INTELLECT-2 uses 4); use None to "
-                    "disable it."
+                    f"delta={delta}: the two-sided clipping cap must be > 1 (INTELLECT-2 uses 4); "
+                    "use None to disable it."
                 )
         check_number("beta", beta, minimum=0.0)
         if off_policy_mask_threshold is not None:
@@ -139,7 +142,7 @@ class PolicyLoss:
         raise NotImplementedError
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        """Step 8: aggregate ``L`` (``(B, T)`` or ``(B, 1)``) into a scalar, before any GA division."""
+        """Step 9: aggregate ``L`` (``(B, T)`` or ``(B, 1)``) into a scalar, before any GA division."""
         raise NotImplementedError
 
     # ---- the pipeline ---------------------------------------------------------------------------
@@ -187,30 +190,34 @@ class PolicyLoss:
         per_token = token_loss.values
         metrics.update(token_loss.metrics)
 
-        # 5-7. OPSM, sampler IS weight, KL (never masked nor weighted).
+        # 5-8. OPSM, top-entropy mask, sampler IS weight, KL (never masked nor weighted).
         if keep is not None:
             per_token = per_token * keep
+        bonus_mask = mask
+        if inputs.entropy_mask is not None:
+            entropy_mask = inputs.entropy_mask.to(logps.dtype)
+            per_token = per_token * entropy_mask
+            bonus_mask = mask * entropy_mask
         if inputs.sampling_is_weights is not None and self.multiplies_is_weight:
             per_token = per_token * inputs.sampling_is_weights
         if kl is not None:
             per_token = per_token + self.beta * kl
 
-        # 8. Aggregate.
+        # 9. Aggregate.
         policy_loss = self.normalize(per_token, mask, inputs)
         accumulation = inputs.gradient_accumulation_steps
         loss = policy_loss / accumulation if self.divides_by_accumulation else policy_loss
 
-        # 9. Entropy bonus: per-token mean entropy of the micro-batch for every loss type.
+        # 10. Entropy bonus: per-token mean entropy of the micro-batch for every loss type.
         if inputs.entropy_coef != 0.0:
             if inputs.entropies is None:
                 raise ValueError(f"entropy_coef={inputs.entropy_coef} needs per-token entropies.")
-            mean_entropy = (inputs.entropies * mask).sum() / mask.sum().clamp(min=1.0)
+            mean_entropy = (inputs.entropies * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
             loss = loss - inputs.entropy_coef * mean_entropy / accumulation
+            # A NaN value counts 0 (TRL takes a nanmean over ranks); no host sync here.
             detached = policy_loss.detach().float()
-            valid = not torch.isnan(detached)
-            metrics["policy_loss"] = MetricValue(
-                detached if valid else torch.zeros_like(detached), torch.tensor(float(valid))
-            )
+            valid = ~torch.isnan(detached)
+            metrics["policy_loss"] = MetricValue(torch.where(valid, detached, 0.0), valid.float())
 
         if kl is not None:
             metrics["kl"] = mean_metric(kl, mask)
@@ -230,7 +237,7 @@ def off_policy_mask(
     mask: torch.Tensor,
     threshold: float,
 ) -> torch.Tensor:
-    """OPSM keep-mask ``(B, 1)``: keep when ``A ≥ 0`` or mean ``(ℓ_s − ℓ)`` over the mask ``≤ threshold``.
+    """OPSM keep-mask ``(B, 1)``: keep when ``A ≥ 0`` or masked mean ``(ℓ_s − ℓ) ≤ threshold``.
 
     Tokens the sampler could not score (NaN) contribute 0 to the mean, as in TRL.
     """
@@ -240,6 +247,7 @@ def off_policy_mask(
 
 
 def check_number(name: str, value: float, minimum: float | None = None) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r}: expected a finite number.")
     if minimum is not None and value < minimum:

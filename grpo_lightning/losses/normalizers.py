@@ -61,7 +61,9 @@ def global_token_mean(
     if num_items_in_batch is None:
         num_items = mask.sum()
     else:
-        num_items = torch.as_tensor(num_items_in_batch, dtype=per_token_loss.dtype, device=per_token_loss.device)
+        num_items = torch.as_tensor(
+            num_items_in_batch, dtype=per_token_loss.dtype, device=per_token_loss.device
+        )
     normalizer = num_items.clamp(min=1.0) / num_processes
     return (per_token_loss * mask).sum() / normalizer
 

@@ -35,6 +35,10 @@ class LossInputs:
         num_processes: ``P``, data-parallel ranks (for the dapo/cispo/vespo normaliser).
         gradient_accumulation_steps: ``GA_eff``: micro-steps per optimizer step (1 in eval).
         entropy_coef: Coefficient of the entropy bonus; 0 disables it.
+        entropy_mask: ``(B, T)`` top-entropy token selection (``top_entropy_quantile < 1``, see
+            :func:`~grpo_lightning.losses.entropy_mask.top_entropy_mask`): multiplies the policy
+            term (not the KL) and restricts the entropy bonus; the normalisers are unchanged, as
+            in TRL. ``None`` disables it.
     """
 
     logps: torch.Tensor
@@ -50,6 +54,7 @@ class LossInputs:
     num_processes: int = 1
     gradient_accumulation_steps: int | float = 1
     entropy_coef: float = 0.0
+    entropy_mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -46,7 +46,8 @@ class SAPOLoss(PolicyLoss):
             epsilon, epsilon_high, delta, beta, importance_sampling_level, use_bias_correction_kl,
             off_policy_mask_threshold,
         )
-        for name, value in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
+        temperatures = {"sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
+        for name, value in temperatures.items():
             check_number(name, value)
             if value <= 0:
                 raise ValueError(f"{name}={value}: the gate temperature must be > 0.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 BUILTIN_REWARDS: dict[str, str] = {
     "exact_match_reward": "grpo_lightning.rewards.exact_match:exact_match_reward",
+    "gsm8k_answer_reward": "grpo_lightning.rewards.gsm8k:gsm8k_answer_reward",
 }
 
 from grpo_lightning.rewards.loading import (  # noqa: E402  (the registry must exist first)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from grpo_lightning.losses import LOSSES, policy_loss
+from grpo_lightning.losses import LOSSES, LossInputs, get_loss, policy_loss, top_entropy_mask
 
 pytestmark = pytest.mark.trl
 
@@ -75,6 +75,7 @@ class Case:
     train: bool = True
     ga: int = 2
     steps_per_generation: int = 2
+    top_entropy_quantile: float = 1.0  # < 1: top-entropy token selection (class API, not functional)
 
     def id(self) -> str:
         parts = [self.loss_type] + [f"{k}={v}" for k, v in self.knobs.items()]
@@ -84,6 +85,7 @@ class Case:
         parts += [f"ent={self.entropy_coef}"] if self.entropy_coef else []
         parts += [] if self.train else ["eval"]
         parts += [f"ga{self.ga}s{self.steps_per_generation}"] if (self.ga, self.steps_per_generation) != (2, 2) else []
+        parts += [f"topH={self.top_entropy_quantile}"] if self.top_entropy_quantile < 1 else []
         return ",".join(parts)
 
 
@@ -103,6 +105,7 @@ def _cases() -> list[Case]:
             Case(lt, dict(level), old=False),
             Case(lt, dict(level), train=False),
             Case(lt, dict(level), ga=4, steps_per_generation=2),
+            Case(lt, dict(level), top_entropy_quantile=0.4, entropy_coef=0.1),
         ]
         if lt in CLIPPED:
             cases += [Case(lt, {**level, "delta": 1.15}), Case(lt, {**level, "epsilon_high": 0.28, "epsilon": 0.1})]
@@ -118,6 +121,7 @@ def _cases() -> list[Case]:
             "dapo",
             {"beta": 0.1, "delta": 1.2, "epsilon_high": 0.28, "off_policy_mask_threshold": 0.01},
             ref=True, samp=True, is_weights="token", entropy_coef=0.05, ga=3, steps_per_generation=6,
+            top_entropy_quantile=0.6,
         ),
         Case(
             "grpo",
@@ -129,7 +133,7 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2, 3)
 
 
 def _tensors(seed: int, B: int = 6, T: int = 7) -> dict[str, torch.Tensor]:
@@ -165,7 +169,7 @@ def _run_trl(trainer, case: Case, t: dict, num_items: torch.Tensor):
                  "vespo_k_neg", "vespo_lambda_neg"):
         setattr(trainer.args, name, knobs.get(name, getattr(trl.GRPOConfig, name)))
     trainer.max_completion_length = 9
-    trainer.top_entropy_quantile = 1.0
+    trainer.top_entropy_quantile = case.top_entropy_quantile
     trainer.entropy_coef = case.entropy_coef
     trainer.use_adaptive_entropy = False
     trainer._entropy_bonus_enabled = case.entropy_coef != 0.0
@@ -212,6 +216,8 @@ def _run_ours(case: Case, t: dict, num_items: torch.Tensor):
     # TRL rescales N (which spans the generation batch) by GA / steps_per_generation in training;
     # our num_items_in_batch is already the count of one optimizer step.
     n = num_items * case.ga / case.steps_per_generation if case.train else num_items
+    if case.top_entropy_quantile < 1.0:
+        return _run_ours_class_api(case, t, n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss, metrics = policy_loss(
@@ -228,6 +234,32 @@ def _run_ours(case: Case, t: dict, num_items: torch.Tensor):
         )
     loss.backward()
     return loss.detach(), leaf.grad, metrics
+
+
+def _run_ours_class_api(case: Case, t: dict, n: torch.Tensor):
+    leaf = t["logps"].clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_fn = get_loss(case.loss_type, **case.knobs)
+    out = loss_fn(
+        LossInputs(
+            logps=leaf,
+            old_logps=t["old"] if case.old else None,
+            advantages=t["adv"],
+            mask=t["mask"],
+            ref_logps=t["ref"] if case.ref else None,
+            sampling_logps=t["samp"] if case.samp else None,
+            sampling_is_weights=t[f"isr_{case.is_weights}"] if case.is_weights else None,
+            entropies=t["ent"],
+            num_items_in_batch=n,
+            max_completion_length=9,
+            gradient_accumulation_steps=case.ga if case.train else 1,
+            entropy_coef=case.entropy_coef,
+            entropy_mask=top_entropy_mask(t["ent"], t["mask"], case.top_entropy_quantile),
+        )
+    )
+    out.loss.backward()
+    return out.loss.detach(), leaf.grad, {k: v.local() for k, v in out.metrics.items()}
 
 
 def _close(a: float, b: float) -> bool:
@@ -255,3 +287,18 @@ def test_case_matrix_covers_every_loss_type():
     assert {c.loss_type for c in CASES} == set(LOSSES)
     assert len(CASES) * len(SEEDS) >= 100
     assert any(c.ref for c in CASES) and any(c.is_weights for c in CASES) and any(c.entropy_coef for c in CASES)
+
+
+def test_empty_micro_batch_metrics_are_a_documented_deviation(trainer):
+    """A micro-batch without active tokens: same loss and gradient; TRL logs 0 for the token-mean
+    metrics (its count is clamped at 1), we report NaN (no tokens, no value; docs/losses.md)."""
+    t = _tensors(0)
+    t["mask"] = torch.zeros_like(t["mask"])
+    for loss_type in ("grpo", "dapo", "cispo"):
+        case = Case(loss_type, {"beta": 0.1}, ref=True)
+        trl_loss, trl_grad, trl_metrics = _run_trl(trainer, case, t, torch.tensor(0.0))
+        loss, grad, metrics = _run_ours(case, t, torch.tensor(0.0))
+        assert torch.allclose(loss, trl_loss) and torch.allclose(grad, trl_grad)
+        assert set(metrics) == set(trl_metrics)
+        for name in ("kl", "entropy"):
+            assert trl_metrics[name] == 0.0 and math.isnan(metrics[name])

@@ -23,6 +23,7 @@ from grpo_lightning.losses import (
     VESPOLoss,
     get_loss,
     policy_loss,
+    top_entropy_mask,
 )
 from grpo_lightning.types import MetricValue
 
@@ -231,6 +232,35 @@ def test_entropy_bonus_is_the_token_mean_for_every_loss_type():
         assert m["policy_loss"] == pytest.approx(plain.item() * scale, abs=TOL), loss_type
     _, m = policy_loss("grpo", lp, old, adv, mask, entropies=ent)
     assert "policy_loss" not in m
+
+
+def test_entropy_mask_masks_the_policy_term_and_the_bonus_but_not_the_kl_nor_the_normaliser():
+    lp, old, adv, mask = _hand()
+    ent = torch.tensor([[2.0, 4.0], [3.0, 100.0]], dtype=torch.float64)
+    keep = torch.tensor([[False, True], [True, False]])  # drops row 0, t0 (the clipped −1.2)
+    ref = lp.detach() + 0.3
+    k3 = math.exp(0.3) - 0.3 - 1
+    inputs = dict(old_logps=old, advantages=adv, mask=mask, entropies=ent, gradient_accumulation_steps=1)
+    out = BNPOLoss(beta=0.1, use_bias_correction_kl=False)(
+        LossInputs(lp, ref_logps=ref, entropy_coef=0.1, entropy_mask=keep, **inputs)
+    )
+    # policy: (−0.9 + 0.8) over all 3 tokens (normaliser unchanged); KL on all 3 tokens;
+    # bonus: mean entropy over the kept tokens (4 + 3) / 2
+    expected = (-0.9 + 0.8) / 3 + 0.1 * k3 - 0.1 * 3.5
+    assert out.loss.item() == pytest.approx(expected, abs=TOL)
+    assert out.metrics["entropy"].local() == pytest.approx(3.0)  # the metric is not restricted
+
+
+def test_top_entropy_mask():
+    h = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.3, 9.0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert top_entropy_mask(h, m, 1.0).tolist() == m.bool().tolist()
+    assert top_entropy_mask(h, m, 0.0).int().tolist() == [[0, 1, 0], [0, 0, 0]]  # the max only
+    assert not top_entropy_mask(h, torch.zeros_like(m), 0.5).any()
+    # the threshold comes from the gathered (all-rank) entropies when given
+    assert not top_entropy_mask(h, m, 0.5, gathered=torch.tensor([10.0, 20.0])).any()
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        top_entropy_mask(h, m, 1.5)
 
 
 def test_sapo_on_policy_is_the_plain_policy_gradient():
