@@ -74,11 +74,12 @@ def noisy_target(a: int, b: int, rng: random.Random, p_correct: float) -> int:
 def encode_batch(tok, pairs, targets) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids ``[B, 6 + 3 + 1]`` right-padded, and the loss mask of the completion tokens."""
     width = 6 + MAX_ANSWER_DIGITS + 1
+    vocab = tok.get_vocab()  # one id per character (verify_reload checks this equals tok(text))
     ids = torch.full((len(pairs), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(pairs), width), dtype=torch.bool)
     for i, ((a, b), t) in enumerate(zip(pairs, targets)):
-        prompt = tok(f"{a}+{b}=").input_ids
-        completion = tok(str(t)).input_ids + [tok.eos_token_id]
+        prompt = [vocab[c] for c in f"{a}+{b}="]
+        completion = [vocab[c] for c in str(t)] + [tok.eos_token_id]
         row = prompt + completion
         ids[i, : len(row)] = torch.tensor(row)
         mask[i, len(prompt) : len(row)] = True
