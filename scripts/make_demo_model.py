@@ -1,7 +1,7 @@
 """Build the quickstart demo asset: a tiny warm-started arithmetic model and its prompt sets.
 
 Writes
-    examples/arithmetic/model/       tokenizer + LlamaForCausalLM (safetensors, fp32, ~2 MB)
+    examples/arithmetic/model/       tokenizer + LlamaForCausalLM (safetensors, fp32, ~1 MB)
     examples/arithmetic/train.jsonl  GRPO prompts  {"prompt": "23+41=", "answer": "64"}
     examples/arithmetic/test.jsonl   held-out prompts (never seen in the warm start)
 
@@ -14,7 +14,7 @@ delta (+-1, +-2, +-10). The model learns the arithmetic (greedy decoding is most
 hedges, so sampling at temperature 1.0 is right only about ``p-correct`` of the time. GRPO with an
 exact-match reward then has something visible to do: sharpen the policy onto the right answer.
 
-Deterministic (seeded); about 2-3 minutes on 2 CPU cores::
+Deterministic (seeded); about 2 minutes on 2 idle CPU cores::
 
     python scripts/make_demo_model.py
 """
@@ -35,7 +35,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
+from grpo_lightning.utils.tiny_models import (  # noqa: E402
+    build_char_tokenizer,
+    build_tiny_causal_lm,
+)
 
 ALPHABET = "0123456789+-*=() \n"
 LO, HI = 10, 99  # operand range (inclusive): every prompt is "ab+cd=", 6 tokens
@@ -44,7 +47,9 @@ MAX_ANSWER_DIGITS = 3  # sums are 20..198, noisy targets 10..208
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=ROOT / "examples" / "arithmetic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=96)
@@ -54,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2500, help="warm-start optimizer steps")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.33, help="cosine floor / --lr")
     p.add_argument("--p-correct", type=float, default=0.3, help="share of clean targets")
     p.add_argument("--num-test", type=int, default=500, help="held-out pairs")
     p.add_argument("--num-train-prompts", type=int, default=4000, help="rows of train.jsonl")
@@ -93,7 +99,10 @@ def warm_start(model, tok, train_pairs, args) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: min(1.0, (s + 1) / warmup)
-        * max(0.05, 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / args.steps)).item())),
+        * max(
+            args.min_lr_ratio,
+            0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / args.steps)).item()),
+        ),
     )
     model.train()
     t0 = time.time()
@@ -123,7 +132,9 @@ def accuracy(model, tok, pairs, *, do_sample: bool, seed: int = 0, batch_size: i
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
         enc = tok([f"{a}+{b}=" for a, b in chunk], return_tensors="pt")  # all 6 tokens: no padding
-        gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
+        gen_kwargs = dict(do_sample=False)
+        if do_sample:
+            gen_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
         out = model.generate(
             **enc,
             max_new_tokens=MAX_ANSWER_DIGITS + 2,
@@ -156,10 +167,13 @@ def verify_reload(model, tok, folder: Path) -> None:
         assert getattr(tok2, f"{name}_token_id") == getattr(tok, f"{name}_token_id"), name
     assert (tok2.pad_token_id, tok2.bos_token_id, tok2.eos_token_id) == (0, 1, 2)
     text = "23+41=64"
-    assert tok2(text).input_ids == tok(text).input_ids == [tok.convert_tokens_to_ids(c) for c in text]
+    per_char = [tok.convert_tokens_to_ids(c) for c in text]
+    assert tok2(text).input_ids == tok(text).input_ids == per_char
     assert tok2.decode(tok2(text).input_ids) == text
     msgs = [{"role": "user", "content": "23+41="}, {"role": "assistant", "content": "64"}]
-    assert tok2.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
+    rendered = tok.apply_chat_template(msgs, tokenize=False)
+    assert tok2.apply_chat_template(msgs, tokenize=False) == rendered, rendered
+    assert rendered == "<|user|>23+41=<|end|><|assistant|>64<|end|></s>", rendered
     assert model2.config.pad_token_id == 0 and model2.config.eos_token_id == 2
     assert model2.generation_config.eos_token_id in (2, [2])
     assert model2.generation_config.pad_token_id == 0

@@ -18,10 +18,15 @@ def _completion_text(completion: Any) -> str:
         if not completion:
             return ""
         return _completion_text(completion[-1])
-    raise TypeError(f"unsupported completion type {type(completion).__name__}: expected str or list of messages")
+    raise TypeError(
+        f"unsupported completion type {type(completion).__name__}: "
+        "expected a str or a list of messages"
+    )
 
 
-def exact_match_reward(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float]:
+def exact_match_reward(
+    completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
+) -> list[float]:
     """Score each completion 1.0 if its stripped text equals ``str(answer).strip()``, else 0.0.
 
     Follows the TRL reward-function convention: dataset columns arrive as keyword arguments, one
