@@ -32,7 +32,9 @@ def mlflow_logger_config(root_dir: str, experiment_name: str = "grpo") -> dict[s
         "class_path": MLFLOW_LOGGER,
         "init_args": {
             "experiment_name": experiment_name,
-            "tracking_uri": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root}/mlflow.db",
+            # Not MLFLOW_TRACKING_URI: mlflow sets that variable itself once a run has started, so a
+            # second run in the same process would write to the first run's store.
+            "tracking_uri": f"sqlite:///{root}/mlflow.db",
             "artifact_location": os.path.join(root, "mlartifacts"),
         },
     }

@@ -34,3 +34,36 @@ def test_config_parses(config, monkeypatch):
     )
     assert cli.config.data.reward_funcs, "a config without rewards cannot train"
     assert cli.config.model.model
+
+
+def test_loss_and_sampler_by_class_path_with_knobs(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        """
+model:
+  model: unused
+  loss:
+    class_path: grpo_lightning.losses.CISPOLoss
+    init_args: {epsilon_high: 5.0, beta: 0.04}
+data:
+  dataset: unused.jsonl
+  reward_funcs: [exact_match_reward]
+  sampler:
+    class_path: grpo_lightning.samplers.HFGenerateSampler
+    init_args: {max_batch_rows: 16, cache_implementation: static}
+"""
+    )
+    cli = ParseOnly(GRPOModule, RolloutDataModule, run=False, args=["--config", str(config)])
+    assert cli.config.model.loss.class_path == "grpo_lightning.losses.CISPOLoss"
+    assert cli.config.model.loss.init_args.epsilon_high == 5.0
+    assert cli.config.data.sampler.init_args.max_batch_rows == 16
+
+
+def test_loss_by_short_class_name_and_by_name(tmp_path):
+    for loss in ["DAPOLoss", "sapo"]:
+        cli = ParseOnly(
+            GRPOModule, RolloutDataModule, run=False,
+            args=["--model.model", "m", "--data.dataset", "d.jsonl", "--data.reward_funcs", "[exact_match_reward]",
+                  "--model.loss", loss],
+        )
+        assert cli.config.model.loss
