@@ -179,5 +179,15 @@ class PolicyHandle(Protocol):
         """True when the loss has a KL term (beta != 0)."""
 
 
+def missing_handle_members(obj: Any) -> list[str]:
+    """Members of :class:`PolicyHandle` that ``obj`` lacks (empty when it is a valid handle).
+
+    ``isinstance(obj, PolicyHandle)`` is not used: from Python 3.12 it looks attributes up
+    statically and so misses ``nn.Module`` submodules such as ``policy``.
+    """
+    names = ("policy", "tokenizer", "device", "policy_version", "rollout_logprobs", "needs_reference_logprobs")
+    return [name for name in names if not hasattr(obj, name)]
+
+
 PromptInput = Sequence[int]
 """A tokenized prompt: the sampler receives ids, never text."""

@@ -17,11 +17,12 @@ from grpo_lightning.data.sources import load_prompt_dataset
 from grpo_lightning.rewards.loading import resolve_reward_funcs
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers import Sampler, get_sampler
-from grpo_lightning.types import GenerationParams, PolicyHandle, RolloutBatch
+from grpo_lightning.types import GenerationParams, RolloutBatch, missing_handle_members
 
 log = logging.getLogger(__name__)
 # Our stream has an exact length and always runs in the main process (num_workers=0).
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+warnings.filterwarnings("ignore", message=r"The 'train_dataloader' does not have many workers")
 
 _SCALE_CHOICES = ("group", "batch", "none")
 _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -144,10 +145,11 @@ class RolloutDataModule(pl.LightningDataModule):
         if stage != "fit" or self.builder is not None:
             return
         handle = self.trainer.lightning_module
-        if not isinstance(handle, PolicyHandle):
+        missing = missing_handle_members(handle)
+        if missing:
             raise TypeError(
                 "RolloutDataModule needs a LightningModule that implements grpo_lightning.types."
-                f"PolicyHandle (such as GRPOModule); got {type(handle).__name__}."
+                f"PolicyHandle (such as GRPOModule); {type(handle).__name__} lacks {missing}."
             )
         trainer = self.trainer
         plan = plan_generation_batches(
