@@ -20,8 +20,8 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.module import GRPOModule
 
-# TRL's defaults where Lightning's differ: max_grad_norm=1.0, logging_steps=10.
-TRAINER_DEFAULTS: dict[str, Any] = {"gradient_clip_val": 1.0, "log_every_n_steps": 10}
+# TRL's defaults where Lightning's differ: max_grad_norm=1.0, logging_steps=10, no sanity-check generation.
+TRAINER_DEFAULTS: dict[str, Any] = {"gradient_clip_val": 1.0, "log_every_n_steps": 10, "num_sanity_val_steps": 0}
 MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 
 

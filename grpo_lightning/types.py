@@ -126,6 +126,8 @@ class RolloutBatch:
     generation_index: int = 0
     micro_index: int = 0
     iteration: int = 0
+    # Prefix of every metric of this batch: "" in training, "eval_" (or "eval_<set>_") in evaluation.
+    metric_prefix: str = ""
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -144,6 +146,21 @@ class RolloutBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+
+@dataclass
+class CompletionTable:
+    """The completions of one generation batch, all ranks, for completion logging.
+
+    ``columns`` maps a column name to one value per completion: ``prompt``, ``completion``,
+    ``advantage``, one ``reward/<name>`` per reward function, and every ``log_extra`` column.
+    """
+
+    step: int
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), []))
 
 
 @runtime_checkable

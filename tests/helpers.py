@@ -38,3 +38,18 @@ def length_reward(completions, **kwargs):
 def count_a_reward(completions, **kwargs):
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [float(t.count("a")) for t in texts]
+
+
+def length_reward_with_extras(completions, log_extra=None, log_metric=None, **kwargs):
+    """``length_reward`` that also logs a table column and a scalar metric."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    if log_extra is not None:
+        log_extra("num_chars", [len(t) for t in texts])
+    if log_metric is not None:
+        log_metric("my_metric", 3.0)
+    return [float(len(t)) for t in texts]
+
+
+def none_for_odd_answers(completions, answer, **kwargs):
+    """Not applicable (None) to prompts with an odd answer: a multi-task reward."""
+    return [None if int(a) % 2 else float(len(c)) for c, a in zip(completions, answer)]

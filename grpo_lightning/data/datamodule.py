@@ -4,28 +4,29 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Literal
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
 from grpo_lightning.data.micro_steps import MicroStepRef, MicroStepSchedule, MicroStepStream
-from grpo_lightning.data.prompt_order import PromptOrder, plan_generation_batches
+from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, plan_generation_batches
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
+from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, run_summary
 from grpo_lightning.data.sources import load_prompt_dataset
 from grpo_lightning.rewards.loading import resolve_reward_funcs
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers import Sampler, get_sampler
-from grpo_lightning.types import GenerationParams, RolloutBatch, missing_handle_members
+from grpo_lightning.types import CompletionTable, GenerationParams, RolloutBatch, missing_handle_members
 
 log = logging.getLogger(__name__)
 # Our stream has an exact length and always runs in the main process (num_workers=0).
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 warnings.filterwarnings("ignore", message=r"The 'train_dataloader' does not have many workers")
 
-_SCALE_CHOICES = ("group", "batch", "none")
-_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -73,6 +74,14 @@ class RolloutDataModule(pl.LightningDataModule):
             normalisation) or ``normalize_then_sum`` (GDPO: normalise each reward per group first).
         mask_truncated_completions: Exclude completions cut by ``max_completion_length`` from the
             loss (they still count in the group statistics, as in TRL).
+        eval_dataset: Evaluation prompts, in the same forms as ``dataset``; a mapping
+            ``{name: source}`` evaluates several sets (metrics ``eval_<name>_*``). Evaluation runs
+            in Lightning's validation loop (``trainer.val_check_interval``,
+            ``check_val_every_n_epoch``, ``grpo validate``) with the same sampler and rewards.
+        eval_split: Split of a hub-style ``eval_dataset`` (a file is loaded as this split).
+        num_generations_eval: Completions per evaluation prompt (default: ``num_generations``).
+        per_device_eval_batch_size: Completions per validation step on each rank (a multiple of
+            ``num_generations_eval``).
     """
 
     def __init__(
@@ -99,20 +108,24 @@ class RolloutDataModule(pl.LightningDataModule):
         scale_rewards: Literal["group", "batch", "none"] | bool = "group",
         multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         mask_truncated_completions: bool = False,
+        eval_dataset: str | dict[str, str] | None = None,
+        eval_split: str = "test",
+        num_generations_eval: int | None = None,
+        per_device_eval_batch_size: int = 8,
     ) -> None:
         super().__init__()
         if not reward_funcs:
             raise ValueError("data.reward_funcs is empty: give at least one reward function.")
         if num_iterations < 1:
             raise ValueError(f"data.num_iterations={num_iterations}: it must be >= 1.")
-        if isinstance(scale_rewards, str) and scale_rewards not in _SCALE_CHOICES:
-            raise ValueError(f"data.scale_rewards={scale_rewards!r}: use one of {_SCALE_CHOICES} (or true/false).")
-        if multi_objective_aggregation not in _AGGREGATIONS:
+        if isinstance(scale_rewards, str) and scale_rewards not in SCALE_CHOICES:
+            raise ValueError(f"data.scale_rewards={scale_rewards!r}: use one of {SCALE_CHOICES} (or true/false).")
+        if multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(
-                f"data.multi_objective_aggregation={multi_objective_aggregation!r}: use one of {_AGGREGATIONS}."
+                f"data.multi_objective_aggregation={multi_objective_aggregation!r}: use one of {AGGREGATIONS}."
             )
         # World-size-independent checks now, before any model work (the full plan in setup()).
-        _check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
+        check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
         self.rewards = RewardRunner(resolve_reward_funcs(reward_funcs), reward_weights)
         self.sampler = get_sampler(sampler)
         self.dataset_source = dict(path_or_name=dataset, name=dataset_config, split=split, data_files=data_files, prompt_column=prompt_column)
@@ -130,6 +143,23 @@ class RolloutDataModule(pl.LightningDataModule):
         self.scale_rewards = scale_rewards
         self.multi_objective_aggregation = multi_objective_aggregation
         self.mask_truncated_completions = mask_truncated_completions
+        self.num_generations_eval = num_generations_eval or num_generations
+        if self.num_generations_eval < 1 or per_device_eval_batch_size % self.num_generations_eval:
+            raise ValueError(
+                f"data.per_device_eval_batch_size={per_device_eval_batch_size} is not a multiple of "
+                f"data.num_generations_eval={self.num_generations_eval}: each validation step scores whole groups."
+            )
+        self.per_device_eval_batch_size = per_device_eval_batch_size
+        sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
+        self.eval_sources = {
+            name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column)
+            for name, source in sets.items()
+        }
+        self.eval_datasets: dict[str, Any] = {}
+        self.eval_builders: dict[str, RolloutBuilder] = {}
+        #: The latest training generation batch of all ranks, when ``collect_completions`` is on.
+        self.completion_table: CompletionTable | None = None
+        self._collect_completions = False
 
         self.train_dataset = None
         self.builder: RolloutBuilder | None = None
@@ -142,8 +172,6 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, stage: str) -> None:
-        if stage != "fit" or self.builder is not None:
-            return
         handle = self.trainer.lightning_module
         missing = missing_handle_members(handle)
         if missing:
@@ -151,6 +179,18 @@ class RolloutDataModule(pl.LightningDataModule):
                 "RolloutDataModule needs a LightningModule that implements grpo_lightning.types."
                 f"PolicyHandle (such as GRPOModule); {type(handle).__name__} lacks {missing}."
             )
+        if stage == "validate" and not self.eval_sources:
+            raise ValueError("grpo validate needs evaluation prompts: set data.eval_dataset.")
+        self.sampler.bind(handle)
+        if stage == "fit" and self.builder is None:
+            self._setup_training(handle)
+        if stage in ("fit", "validate") and not self.eval_builders:
+            self._setup_evaluation(handle)
+
+    def _collective(self) -> Collective:
+        return Collective(self.trainer.global_rank, self.trainer.world_size, self._all_gather, self._all_gather_objects)
+
+    def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
         plan = plan_generation_batches(
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,
@@ -165,21 +205,49 @@ class RolloutDataModule(pl.LightningDataModule):
                 "the last optimizer step of each epoch accumulates fewer micro-batches.",
                 self.schedule.steps_per_epoch, trainer.accumulate_grad_batches,
             )
-        settings = RolloutSettings(
-            num_generations=self.num_generations, plan=plan, params=self.generation,
-            gradient_accumulation_steps=trainer.accumulate_grad_batches, num_iterations=self.num_iterations,
+        settings = self._settings(self.num_generations, plan, trainer.accumulate_grad_batches, self.num_iterations)
+        if trainer.is_global_zero:
+            log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
+        self.builder = RolloutBuilder(settings, self.sampler, self.rewards, handle, self._collective())
+        self.builder.collect_table = self._collect_completions
+
+    def _setup_evaluation(self, handle: Any) -> None:
+        world = self.trainer.world_size
+        rows = self.per_device_eval_batch_size
+        plan = GenerationPlan(rows * world, 1, rows * world // self.num_generations_eval, rows)
+        settings = self._settings(self.num_generations_eval, plan, gradient_accumulation_steps=1, num_iterations=1)
+        for name, source in self.eval_sources.items():
+            self.eval_datasets[name] = load_prompt_dataset(**source)
+            self.eval_builders[name] = RolloutBuilder(settings, self.sampler, self.rewards, handle, self._collective())
+
+    def _settings(self, num_generations: int, plan: GenerationPlan, gradient_accumulation_steps: int, num_iterations: int) -> RolloutSettings:
+        return RolloutSettings(
+            num_generations=num_generations, plan=plan, params=self.generation,
+            gradient_accumulation_steps=gradient_accumulation_steps, num_iterations=num_iterations,
             chat_template_kwargs=self.chat_template_kwargs, scale_rewards=self.scale_rewards,
             multi_objective_aggregation=self.multi_objective_aggregation,
             mask_truncated_completions=self.mask_truncated_completions,
         )
-        if trainer.is_global_zero:
-            log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
-        collective = Collective(trainer.global_rank, trainer.world_size, self._all_gather)
-        self.sampler.bind(handle)
-        self.builder = RolloutBuilder(settings, self.sampler, self.rewards, handle, collective)
+
+    @property
+    def collect_completions(self) -> bool:
+        """Whether each training generation batch is gathered into ``completion_table``
+        (completion loggers turn this on)."""
+        return self._collect_completions
+
+    @collect_completions.setter
+    def collect_completions(self, value: bool) -> None:
+        self._collect_completions = bool(value)
+        if self.builder is not None:
+            self.builder.collect_table = self._collect_completions
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.trainer.strategy.all_gather(tensor)
+
+    def _all_gather_objects(self, values: list[Any]) -> list[list[Any]]:
+        gathered: list[Any] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(gathered, values)
+        return gathered
 
     def train_dataloader(self) -> DataLoader:
         if self.schedule is None:
@@ -187,13 +255,22 @@ class RolloutDataModule(pl.LightningDataModule):
         stream = MicroStepStream(self.schedule, start_step=lambda: self.micro_steps_done)
         return DataLoader(stream, batch_size=None, num_workers=0)
 
+    def val_dataloader(self) -> list[DataLoader]:
+        loaders = []
+        for name, dataset in self.eval_datasets.items():
+            plan = EvalPlan(len(dataset), self.per_device_eval_batch_size // self.num_generations_eval, self.trainer.world_size)
+            loaders.append(DataLoader(EvalStream(name, plan, self.trainer.global_rank), batch_size=None, num_workers=0))
+        return loaders
+
     # ------------------------------------------------------------------ rollouts, just in time
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        if isinstance(batch, MicroStepRef):
+        if isinstance(batch, (MicroStepRef, EvalRef)):
             return batch  # a descriptor: nothing to move
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, EvalRef):
+            return self.eval_batch(batch)
         if not isinstance(batch, MicroStepRef):
             return batch
         micro_batch = self.micro_batch(batch)
@@ -209,9 +286,18 @@ class RolloutDataModule(pl.LightningDataModule):
             self._buffer_key = key
         batch = self._buffer[ref.micro_index]
         if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
-            batch = _without_generation_metrics(batch)
+            batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
         return batch
+
+    def eval_batch(self, ref: EvalRef) -> RolloutBatch:
+        """Generate and score one validation step (no buffering, no shuffling)."""
+        dataset = self.eval_datasets[ref.name]
+        row_ids = [i for i in ref.prompt_indices for _ in range(self.num_generations_eval)]
+        rows = [self._format_row(dataset[i]) for i in row_ids]
+        built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=self.trainer)
+        prefix = f"eval_{ref.name}_" if ref.name else "eval_"
+        return replace(built.micro_batches[0], metric_prefix=prefix)
 
     def _generate(self, ref: MicroStepRef) -> list[RolloutBatch]:
         assert self.builder is not None and self.prompt_order is not None
@@ -228,6 +314,8 @@ class RolloutDataModule(pl.LightningDataModule):
         )
         built = self.builder.build(rows, row_ids, generator, trainer_state=self.trainer)
         self.num_tokens += built.num_tokens
+        if built.table is not None:
+            self.completion_table = built.table
         for index, micro in enumerate(built.micro_batches):
             micro.generation_index, micro.micro_index = ref.generation, index
         built.micro_batches[0].generation_metrics["num_tokens"] = float(self.num_tokens)
@@ -251,53 +339,3 @@ class RolloutDataModule(pl.LightningDataModule):
         self._buffer_key, self._buffer = None, []
 
 
-def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer: Any, reference: bool) -> str:
-    """GRPO's batch arithmetic in a few lines: the most common source of confusion."""
-    plan, accumulate = settings.plan, trainer.accumulate_grad_batches
-    if trainer.max_steps and trainer.max_steps > 0:
-        planned = f"{trainer.max_steps} (trainer.max_steps)"
-    else:
-        epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
-        planned = f"{epochs * schedule.steps_per_epoch // accumulate} ({epochs} epoch(s))"
-    per_step = trainer.world_size * accumulate * (plan.local_rows // plan.steps_per_generation)
-    return "\n".join([
-        "GRPO run summary",
-        f"  world size {trainer.world_size}; micro-batch {plan.local_rows // plan.steps_per_generation} completions "
-        f"per rank; accumulation {accumulate}",
-        f"  generation batch: {plan.generation_batch_size} completions = {plan.prompts_per_generation} prompts x "
-        f"{settings.num_generations}; cut into {plan.steps_per_generation} micro-batches per rank, replayed "
-        f"{settings.num_iterations} time(s)",
-        f"  optimizer step: {per_step} completions; {schedule.steps_per_epoch // accumulate} steps per epoch; "
-        f"planned optimizer steps: {planned}",
-        f"  forward passes per micro-batch: policy (with grad)"
-        f"{'; old log-probs (no grad)' if settings.needs_old_logprobs else ''}"
-        f"{'; reference log-probs (no grad)' if reference else ''}",
-    ])
-
-
-def _without_generation_metrics(batch: RolloutBatch) -> RolloutBatch:
-    from dataclasses import replace
-
-    return replace(batch, generation_metrics={}, prepare_seconds=0.0)
-
-
-def _check_sizes(
-    num_generations: int, per_device_train_batch_size: int, generation_batch_size: int | None, steps_per_generation: int | None
-) -> None:
-    if num_generations < 2:
-        raise ValueError(
-            f"data.num_generations={num_generations}: GRPO compares completions within a group, so it "
-            "needs at least 2 completions per prompt."
-        )
-    if per_device_train_batch_size < 1:
-        raise ValueError(f"data.per_device_train_batch_size={per_device_train_batch_size}: it must be >= 1.")
-    if generation_batch_size is not None and steps_per_generation is not None:
-        raise ValueError(
-            f"data.generation_batch_size={generation_batch_size} and data.steps_per_generation="
-            f"{steps_per_generation} are both set, but each determines the other: set only one."
-        )
-    if generation_batch_size is not None and generation_batch_size % num_generations:
-        raise ValueError(
-            f"data.generation_batch_size={generation_batch_size} is not a multiple of data.num_generations="
-            f"{num_generations}: every prompt's group must fit in one generation batch."
-        )

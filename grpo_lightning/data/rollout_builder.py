@@ -6,6 +6,7 @@ Lightning datamodule (and tests) decide how ranks talk to each other.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -20,7 +21,9 @@ from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sources import is_conversational
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.types import GenerationParams, PolicyHandle, Rollout, RolloutBatch
+from grpo_lightning.types import CompletionTable, GenerationParams, PolicyHandle, Rollout, RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Collective:
     rank: int = 0
     world_size: int = 1
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_gather_objects: Callable[[list[Any]], list[list[Any]]] | None = None
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's rows in rank order: ``(L, ...) -> (P*L, ...)``."""
@@ -37,6 +41,12 @@ class Collective:
             return tensor
         gathered = self.all_gather(tensor)
         return gathered.reshape(-1, *tensor.shape[1:])
+
+    def gather_objects(self, values: list[Any]) -> list[Any]:
+        """Concatenate every rank's python values in rank order."""
+        if self.world_size == 1 or self.all_gather_objects is None:
+            return list(values)
+        return [v for per_rank in self.all_gather_objects(values) for v in per_rank]
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,12 @@ class RolloutSettings:
 
 @dataclass
 class GenerationBatch:
-    """A built generation batch: its micro-batches and the tokens it added to ``num_tokens``."""
+    """A built generation batch: its micro-batches, the tokens it added to ``num_tokens`` and,
+    when asked for, the completion table of all ranks."""
 
     micro_batches: list[RolloutBatch]
     num_tokens: int
+    table: CompletionTable | None = None
 
 
 class RolloutBuilder:
@@ -84,6 +96,9 @@ class RolloutBuilder:
         self.rewards = rewards
         self.handle = handle
         self.collective = collective
+        #: Gather prompts, completions, rewards and advantages of every generation batch into a
+        #: :class:`CompletionTable` (costs a gather of texts; turned on by completion loggers).
+        self.collect_table = False
 
     def build(
         self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], generator: torch.Generator | None,
@@ -127,7 +142,26 @@ class RolloutBuilder:
         micro_batches[0] = replace(
             micro_batches[0], generation_metrics=metrics, prepare_seconds=time.perf_counter() - started
         )
-        return GenerationBatch(micro_batches, num_tokens)
+        table = self._table(rollouts, scores, stats.advantages[local]) if self.collect_table else None
+        return GenerationBatch(micro_batches, num_tokens, table)
+
+    def _table(self, rollouts: list[Rollout], scores: Any, advantages: torch.Tensor) -> CompletionTable:
+        tokenizer = self.handle.tokenizer
+        columns: dict[str, list[Any]] = {
+            "prompt": tokenizer.batch_decode([r.prompt_ids for r in rollouts], skip_special_tokens=True),
+            "completion": tokenizer.batch_decode([r.completion_ids for r in rollouts], skip_special_tokens=True),
+        }
+        for column, name in enumerate(scores.names):
+            columns[f"reward/{name}"] = scores.rewards[:, column].tolist()
+        columns["advantage"] = advantages.tolist()
+        for name, values in sorted(scores.extra_columns.items()):
+            if len(values) == len(rollouts):  # log_extra values must be one per completion
+                columns[name] = list(values)
+            else:
+                log.warning("log_extra column %r has %d values for %d completions: left out of the "
+                            "completion table.", name, len(values), len(rollouts))
+        gathered = {name: self.collective.gather_objects(values) for name, values in columns.items()}
+        return CompletionTable(step=self.handle.policy_version, columns=gathered)
 
     def _generate(self, prompts: list[Any], row_ids: Sequence[int]) -> list[Rollout]:
         s, tokenizer = self.settings, self.handle.tokenizer
@@ -194,6 +228,8 @@ class RolloutBuilder:
         truncated = self.collective.gather_rows(self._truncated(rollouts).float().to(device)).bool()
         metrics = completion_metrics(lengths.cpu(), truncated.cpu())
         metrics.update(reward_metrics(global_rewards.cpu(), scores.names, stats))
+        # Completions that no reward function applies to get advantage 0 (spec §2.3).
+        metrics["frac_reward_none"] = global_rewards.isnan().all(dim=1).float().mean().item()
         for name, values in sorted(scores.logged_metrics.items()):
             local_mean = torch.tensor([sum(values) / max(len(values), 1)], device=device)
             metrics[name] = self.collective.gather_rows(local_mean).mean().item()

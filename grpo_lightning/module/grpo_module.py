@@ -116,6 +116,7 @@ class GRPOModule(pl.LightningModule):
         self.save_final_model = save_final_model
 
         self._window = MetricsWindow()
+        self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
         self._step_loss = 0.0
         self._step_time = 0.0
         self._batch_started = 0.0
@@ -191,6 +192,42 @@ class GRPOModule(pl.LightningModule):
         # The loss is in TRL's scale, which already includes any division by the accumulation
         # steps; Lightning divides by accumulate_grad_batches again, so undo that here.
         return out.loss * self.trainer.accumulate_grad_batches
+
+    # --------------------------------------------------------------------- evaluation
+    def validation_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Score a freshly generated evaluation batch: TRL's ``eval_*`` metrics and ``eval_loss``
+        (the loss in evaluation form: on-policy, no accumulation)."""
+        logps, entropies = completion_logprobs(
+            self.policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+            batch.temperature,
+        )
+        out = self.loss(
+            LossInputs(
+                logps=logps, old_logps=None, advantages=batch.advantages, mask=batch.loss_mask,
+                ref_logps=batch.ref_logps, entropies=entropies, num_items_in_batch=batch.num_items_in_batch,
+                max_completion_length=batch.max_completion_length, num_processes=self.trainer.world_size,
+                gradient_accumulation_steps=1, entropy_coef=self.entropy_coef,
+            )
+        )
+        window = self._eval_windows.setdefault(batch.metric_prefix, MetricsWindow())
+        window.add(batch.generation_metrics)
+        window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
+        loss = out.loss.detach()
+        if self.trainer.world_size > 1:
+            loss = self._all_reduce(loss, "sum") / self.trainer.world_size
+        window.add({"loss": float(loss)})
+
+    def on_validation_epoch_end(self) -> None:
+        windows, self._eval_windows = self._eval_windows, {}
+        if self.trainer.sanity_checking:
+            return
+        for prefix, window in windows.items():
+            metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=self.trainer.global_step)
+            for name in ("reward", "loss"):
+                if prefix + name in metrics:  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
+                    self.log(prefix + name, metrics[prefix + name], logger=False, prog_bar=name == "reward")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_started = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Turning the ``reward_funcs`` setting (names, dotted paths, callables) into reward functions.
+"""Turning the ``reward_funcs`` setting (names, dotted paths, callables, reward models) into
+reward functions.
 
 Layer L1: pure python/torch, no lightning.
 """
@@ -14,11 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-REWARD_MODEL_LATER = (
-    "reward models (a model path, Hub id or nn.Module) arrive in a later release of "
-    "grpo_lightning; for now give reward functions: a built-in name or a dotted path "
-    "'package.module.function'."
-)
+from grpo_lightning.rewards.reward_model import RewardModel
+
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,7 @@ def import_dotted_path(path: str) -> Any:
     ) from first_error
 
 
-def _builtin(name: str, registry: Mapping[str, str]) -> Callable[..., Any]:
+def _builtin(name: str, registry: Mapping[str, str]) -> Any:
     try:
         return import_dotted_path(registry[name])
     except (ImportError, ValueError) as err:
@@ -123,37 +121,53 @@ def _builtin(name: str, registry: Mapping[str, str]) -> Callable[..., Any]:
 
 
 def resolve_reward_funcs(
-    funcs: Sequence[str | Callable[..., Any] | RewardFunction] | str | Callable[..., Any],
+    funcs: Sequence[Any] | str | Callable[..., Any] | torch.nn.Module,
+    processing_classes: Sequence[Any] | str | Any | None = None,
+    *,
+    model_init_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
 ) -> list[RewardFunction]:
     """Resolve the ``data.reward_funcs`` setting into :class:`RewardFunction` records.
 
     Args:
-        funcs: Items (or a single item) that are either a callable (sync or ``async``), an
-            already-resolved :class:`RewardFunction`, a built-in reward name (see
-            ``grpo_lightning.rewards.BUILTIN_REWARDS``) or a dotted path
-            ``package.module.function``.
+        funcs: Items (or a single item), each one of: a callable (sync or ``async``); an
+            already-resolved :class:`RewardFunction`; a built-in reward name (see
+            ``grpo_lightning.rewards.BUILTIN_REWARDS``); a dotted path ``package.module.function``
+            (a path to a class is instantiated without arguments); a reward model given as a
+            local folder or a Hub id ``org/name`` (any string with a ``/``), or as an ``nn.Module``
+            (a sequence classifier with ``num_labels=1``), wrapped in :class:`RewardModel`.
+        processing_classes: The ``data.reward_processing_classes`` setting: the tokenizers of the
+            reward models, as paths or tokenizer objects. Either one entry per item of ``funcs``
+            (``None`` = the model's own tokenizer; entries for reward functions are ignored, as in
+            TRL) or a single value used for every reward model.
+        model_init_kwargs: Extra ``from_pretrained`` arguments for reward models given as paths.
+        trust_remote_code: Allow custom code when loading reward models and their tokenizers.
 
     Returns:
         One :class:`RewardFunction` per item, in order.
 
     Raises:
-        ValueError: For an unknown name, an unimportable path, a non-callable target, or a reward
-            model (not supported yet).
+        ValueError: For an unknown name, an unimportable path, a non-callable target, a class
+            that needs arguments, or a ``processing_classes`` list of the wrong length.
     """
     from grpo_lightning.rewards import BUILTIN_REWARDS
 
-    if isinstance(funcs, (str, RewardFunction)) or callable(funcs):
+    if isinstance(funcs, (str, RewardFunction, torch.nn.Module)) or callable(funcs):
         funcs = [funcs]  # type: ignore[list-item]
+    items = list(funcs)  # type: ignore[arg-type]
+    tokenizers = _per_item(processing_classes, len(items))
     resolved: list[RewardFunction] = []
-    for item in funcs:  # type: ignore[union-attr]
+    for item, tokenizer in zip(items, tokenizers):
         if isinstance(item, RewardFunction):
             resolved.append(item)
             continue
-        if isinstance(item, torch.nn.Module):
-            raise ValueError(f"reward {type(item).__name__} is an nn.Module: {REWARD_MODEL_LATER}")
         func: Any = item
-        if isinstance(item, str):
-            func = _resolve_string(item, BUILTIN_REWARDS)
+        if isinstance(item, torch.nn.Module):
+            func = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code)
+        elif isinstance(item, str):
+            func = _resolve_string(
+                item, BUILTIN_REWARDS, tokenizer, model_init_kwargs, trust_remote_code
+            )
         if not callable(func):
             raise ValueError(
                 f"reward {item!r} resolved to a {type(func).__name__}, which is not callable; a "
@@ -164,16 +178,60 @@ def resolve_reward_funcs(
     return resolved
 
 
-def _resolve_string(spec: str, registry: Mapping[str, str]) -> Any:
+def _per_item(processing_classes: Any, n: int) -> list[Any]:
+    """Expand ``data.reward_processing_classes`` to one entry per reward function."""
+    if processing_classes is None:
+        return [None] * n
+    if isinstance(processing_classes, (str, os.PathLike)) or not isinstance(
+        processing_classes, (list, tuple)
+    ):
+        return [processing_classes] * n  # one tokenizer for every reward model
+    if len(processing_classes) != n:
+        raise ValueError(
+            f"data.reward_processing_classes has {len(processing_classes)} entries but there are "
+            f"{n} reward functions: give one entry per data.reward_funcs item, in the same order "
+            "(null for reward functions and for models that use their own tokenizer), or a single "
+            "tokenizer path used for every reward model."
+        )
+    return list(processing_classes)
+
+
+def _resolve_string(
+    spec: str,
+    registry: Mapping[str, str],
+    tokenizer: Any = None,
+    model_init_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
     spec = spec.strip()
     if spec in registry:
-        return _builtin(spec, registry)
-    if os.path.isdir(os.path.expanduser(spec)) or "/" in spec or os.sep in spec:
-        raise ValueError(f"reward '{spec}' looks like a reward model: {REWARD_MODEL_LATER}")
+        return _instantiate(spec, _builtin(spec, registry))
+    is_path = "/" in spec or os.sep in spec
+    if os.path.isdir(os.path.expanduser(spec)) or is_path:
+        return RewardModel(
+            os.path.expanduser(spec), tokenizer, model_init_kwargs=model_init_kwargs,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
     if "." in spec or ":" in spec:
-        return import_dotted_path(spec)
+        return _instantiate(spec, import_dotted_path(spec))
     builtins = ", ".join(sorted(registry)) or "(none)"
     raise ValueError(
         f"unknown reward function '{spec}'. Built-in rewards: {builtins}. For your own function "
-        "give its dotted path 'package.module.function' (the module must be importable)."
+        "give its dotted path 'package.module.function' (the module must be importable); for a "
+        "reward model give a local folder or a Hub id 'org/name'."
     )
+
+
+def _instantiate(spec: str, obj: Any) -> Any:
+    """A class named by a reward string is instantiated with no arguments (its defaults)."""
+    if not inspect.isclass(obj):
+        return obj
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as err:
+        path = f"{obj.__module__}.{obj.__qualname__}"
+        raise ValueError(
+            f"reward '{spec}' is the class {path}, which needs arguments ({err}). Configure it "
+            f"in YAML as a data.reward_funcs item:\n  - class_path: {path}\n    init_args: {{...}}"
+        ) from err
+    return obj()

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.rewards.loading import RewardFunction
+from grpo_lightning.rewards.reward_model import RewardModel
 from grpo_lightning.utils import async_loop
 
 logger = logging.getLogger(__name__)
@@ -45,15 +46,23 @@ class RewardScores:
 
 
 class RewardRunner:
-    """Runs reward functions over a batch of completions: sync ones in order, then async ones
-    concurrently on a background event loop.
+    """Runs reward functions over a batch of completions: sync ones (and reward models) in order,
+    then async ones concurrently on a background event loop.
 
     Args:
         funcs: The resolved reward functions (see ``resolve_reward_funcs``).
         weights: One weight per function (``data.reward_weights``); ``None`` means all ones.
+        chat_template_kwargs: The run's ``chat_template_kwargs``, used by reward models that have
+            none of their own to render conversational prompts.
     """
 
-    def __init__(self, funcs: Sequence[RewardFunction], weights: Sequence[float] | None = None):
+    def __init__(
+        self,
+        funcs: Sequence[RewardFunction],
+        weights: Sequence[float] | None = None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
         if not funcs:
             raise ValueError(
                 "no reward functions: set data.reward_funcs to at least one built-in name or "
@@ -73,6 +82,27 @@ class RewardRunner:
         if bad:
             raise ValueError(f"data.reward_weights must be finite numbers; got {bad!r}.")
         self._weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
+        for model in self.reward_models:
+            if model.chat_template_kwargs is None:
+                model.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    @property
+    def reward_models(self) -> list[RewardModel]:
+        """The reward functions that are :class:`RewardModel` s, in column order."""
+        return [f.func for f in self.funcs if isinstance(f.func, RewardModel)]
+
+    def to(self, device: torch.device | str) -> "RewardRunner":
+        """Move every reward model to ``device`` (the training device); functions are untouched.
+
+        Args:
+            device: Target device, e.g. ``trainer.strategy.root_device``.
+
+        Returns:
+            This runner.
+        """
+        for model in self.reward_models:
+            model.to(device)
+        return self
 
     @property
     def names(self) -> list[str]:

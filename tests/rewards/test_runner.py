@@ -262,17 +262,35 @@ def test_dotted_path_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         resolve_reward_funcs(["my_rewards_pkg.broken.fn"])
 
 
-def test_unknown_name_and_reward_model_strings(tmp_path: Path) -> None:
+def test_unknown_name_and_reward_model_strings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ValueError) as info:
         resolve_reward_funcs(["no_such_reward"])
     msg = str(info.value)
-    assert "exact_match_reward" in msg and "package.module.function" in msg
-    with pytest.raises(ValueError, match="later release"):
+    assert "exact_match_reward" in msg and "package.module.function" in msg and "org/name" in msg
+    # A folder without a model: the loading error says which reward it came from.
+    with pytest.raises(Exception, match="while loading reward model"):
         resolve_reward_funcs([str(tmp_path)])
-    with pytest.raises(ValueError, match="later release"):
-        resolve_reward_funcs(["org/some-reward-model"])
-    with pytest.raises(ValueError, match="later release"):
+    # A bare nn.Module has no tokenizer to fall back on.
+    with pytest.raises(ValueError, match="has no tokenizer.*reward_processing_classes"):
         resolve_reward_funcs([torch.nn.Linear(2, 1)])
+    # Strings with a '/' are reward models (Hub ids); never download in tests.
+    seen = []
+
+    class FakeRewardModel:
+        def __init__(self, model, processing_class=None, **kwargs):
+            seen.append((model, processing_class, kwargs))
+            self.__name__ = model.split("/")[-1]
+
+        def __call__(self, prompts, completions, **kwargs):
+            return [0.0] * len(prompts)
+
+    monkeypatch.setattr("grpo_lightning.rewards.loading.RewardModel", FakeRewardModel)
+    (rf,) = resolve_reward_funcs(["org/some-reward-model"], "org/tok", trust_remote_code=True)
+    assert rf.name == "some-reward-model" and not rf.is_async
+    assert seen == [("org/some-reward-model", "org/tok",
+                     {"model_init_kwargs": None, "trust_remote_code": True})]  # fmt: skip
 
 
 def test_builtin_registry_is_lazy() -> None:

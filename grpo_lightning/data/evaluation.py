@@ -1,0 +1,66 @@
+"""Evaluation batches: which prompts each validation step scores, on which rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch.utils.data import IterableDataset
+
+
+@dataclass(frozen=True)
+class EvalRef:
+    """One validation step: a slice of an evaluation set, for this rank."""
+
+    name: str  # "" for a single eval set, else the set's key
+    step: int
+    prompt_indices: tuple[int, ...]  # unique prompts of this rank, in dataset order
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """How an evaluation set is cut into validation steps.
+
+    Every rank scores ``prompts_per_rank`` unique prompts x ``num_generations`` completions per
+    step. With several ranks the last step wraps around to the start of the set so every rank
+    has the same number of prompts (as ``DistributedSampler`` does).
+    """
+
+    num_rows: int
+    prompts_per_rank: int
+    world_size: int = 1
+
+    @property
+    def num_steps(self) -> int:
+        return math.ceil(self.num_rows / (self.prompts_per_rank * self.world_size))
+
+    def indices(self, step: int, rank: int) -> tuple[int, ...]:
+        """Unique prompt indices of ``rank`` at ``step``.
+
+        >>> plan = EvalPlan(num_rows=5, prompts_per_rank=2, world_size=1)
+        >>> [plan.indices(s, 0) for s in range(plan.num_steps)]
+        [(0, 1), (2, 3), (4,)]
+        >>> plan = EvalPlan(num_rows=5, prompts_per_rank=1, world_size=2)
+        >>> [(plan.indices(s, 0), plan.indices(s, 1)) for s in range(plan.num_steps)]
+        [((0,), (1,)), ((2,), (3,)), ((4,), (0,))]
+        """
+        per_step = self.prompts_per_rank * self.world_size
+        start = step * per_step + rank * self.prompts_per_rank
+        if self.world_size == 1:
+            return tuple(range(start, min(start + self.prompts_per_rank, self.num_rows)))
+        return tuple(i % self.num_rows for i in range(start, start + self.prompts_per_rank))
+
+
+class EvalStream(IterableDataset):
+    """Yields the :class:`EvalRef` of every validation step of one evaluation set."""
+
+    def __init__(self, name: str, plan: EvalPlan, rank: int) -> None:
+        self.name, self.plan, self.rank = name, plan, rank
+
+    def __iter__(self) -> Iterator[EvalRef]:
+        for step in range(self.plan.num_steps):
+            yield EvalRef(self.name, step, self.plan.indices(step, self.rank))
+
+    def __len__(self) -> int:
+        return self.plan.num_steps

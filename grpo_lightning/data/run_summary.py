@@ -1,0 +1,57 @@
+"""Start-of-run summary and the data settings that can be checked before any model work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_lightning.data.micro_steps import MicroStepSchedule
+from grpo_lightning.data.rollout_builder import RolloutSettings
+
+SCALE_CHOICES = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer: Any, reference: bool) -> str:
+    """GRPO's batch arithmetic in a few lines: the most common source of confusion."""
+    plan, accumulate = settings.plan, trainer.accumulate_grad_batches
+    if trainer.max_steps and trainer.max_steps > 0:
+        planned = f"{trainer.max_steps} (trainer.max_steps)"
+    else:
+        epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+        planned = f"{epochs * schedule.steps_per_epoch // accumulate} ({epochs} epoch(s))"
+    per_step = trainer.world_size * accumulate * (plan.local_rows // plan.steps_per_generation)
+    return "\n".join([
+        "GRPO run summary",
+        f"  world size {trainer.world_size}; micro-batch {plan.local_rows // plan.steps_per_generation} completions "
+        f"per rank; accumulation {accumulate}",
+        f"  generation batch: {plan.generation_batch_size} completions = {plan.prompts_per_generation} prompts x "
+        f"{settings.num_generations}; cut into {plan.steps_per_generation} micro-batches per rank, replayed "
+        f"{settings.num_iterations} time(s)",
+        f"  optimizer step: {per_step} completions; {schedule.steps_per_epoch // accumulate} steps per epoch; "
+        f"planned optimizer steps: {planned}",
+        f"  forward passes per micro-batch: policy (with grad)"
+        f"{'; old log-probs (no grad)' if settings.needs_old_logprobs else ''}"
+        f"{'; reference log-probs (no grad)' if reference else ''}",
+    ])
+
+
+def check_sizes(
+    num_generations: int, per_device_train_batch_size: int, generation_batch_size: int | None, steps_per_generation: int | None
+) -> None:
+    if num_generations < 2:
+        raise ValueError(
+            f"data.num_generations={num_generations}: GRPO compares completions within a group, so it "
+            "needs at least 2 completions per prompt."
+        )
+    if per_device_train_batch_size < 1:
+        raise ValueError(f"data.per_device_train_batch_size={per_device_train_batch_size}: it must be >= 1.")
+    if generation_batch_size is not None and steps_per_generation is not None:
+        raise ValueError(
+            f"data.generation_batch_size={generation_batch_size} and data.steps_per_generation="
+            f"{steps_per_generation} are both set, but each determines the other: set only one."
+        )
+    if generation_batch_size is not None and generation_batch_size % num_generations:
+        raise ValueError(
+            f"data.generation_batch_size={generation_batch_size} is not a multiple of data.num_generations="
+            f"{num_generations}: every prompt's group must fit in one generation batch."
+        )
