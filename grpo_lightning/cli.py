@@ -99,8 +99,8 @@ def _show_package_logs() -> None:
         package_log.setLevel(logging.INFO)
 
 
-def main(args: list[str] | None = None) -> GRPOLightningCLI:
-    """Entry point of the ``grpo`` console script."""
+def run_cli(args: list[str] | None = None) -> GRPOLightningCLI:
+    """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object."""
     _show_package_logs()
     return GRPOLightningCLI(
         GRPOModule,
@@ -112,6 +112,11 @@ def main(args: list[str] | None = None) -> GRPOLightningCLI:
         args=args if args is not None else sys.argv[1:],
         auto_configure_optimizers=False,
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``grpo`` console script (returns nothing: the exit status is 0)."""
+    run_cli(args)
 
 
 if __name__ == "__main__":

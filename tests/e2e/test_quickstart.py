@@ -17,8 +17,9 @@ def test_quickstart_reward_rises(tmp_path, monkeypatch):
 
     monkeypatch.chdir(REPO)  # the config uses repo-relative paths, as `make demo` does
     run_dir = tmp_path / "run"
-    main(["fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "60",
-          "--trainer.default_root_dir", str(run_dir), "--trainer.enable_progress_bar", "false"])
+    status = main(["fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "60",
+                   "--trainer.default_root_dir", str(run_dir), "--trainer.enable_progress_bar", "false"])
+    assert status is None  # the `grpo` console script exits with sys.exit(main()): status 0
     client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     rewards = [m.value for m in client.get_metric_history(run.info.run_id, "reward")]
