@@ -49,6 +49,8 @@ class RolloutDataModule(pl.LightningDataModule):
         split: Dataset split to train on.
         data_files: Data files for a hub-style or builder dataset.
         prompt_column: Column holding the prompt (text, or a list of chat messages).
+        prompt_template: Build each prompt from the row's columns with a Python format string
+            instead (e.g. ``"Use {nums} to make {target}."``); combine with ``prompt_as_chat``.
         num_generations: Completions per prompt, ``G`` (>= 2).
         per_device_train_batch_size: Completions per micro-batch on each rank.
         generation_batch_size: Completions per generation batch over all ranks; exclusive with
@@ -93,6 +95,7 @@ class RolloutDataModule(pl.LightningDataModule):
         split: str = "train",
         data_files: str | list[str] | None = None,
         prompt_column: str = "prompt",
+        prompt_template: str | None = None,
         num_generations: int = 8,
         per_device_train_batch_size: int = 8,
         generation_batch_size: int | None = None,
@@ -128,7 +131,10 @@ class RolloutDataModule(pl.LightningDataModule):
         check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
         self.rewards = RewardRunner(resolve_reward_funcs(reward_funcs), reward_weights)
         self.sampler = get_sampler(sampler)
-        self.dataset_source = dict(path_or_name=dataset, name=dataset_config, split=split, data_files=data_files, prompt_column=prompt_column)
+        self.dataset_source = dict(
+            path_or_name=dataset, name=dataset_config, split=split, data_files=data_files,
+            prompt_column=prompt_column, prompt_template=prompt_template,
+        )
         self.num_generations = num_generations
         self.per_device_train_batch_size = per_device_train_batch_size
         self.generation_batch_size = generation_batch_size
@@ -152,7 +158,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.per_device_eval_batch_size = per_device_eval_batch_size
         sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
         self.eval_sources = {
-            name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column)
+            name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column,
+                       prompt_template=prompt_template)
             for name, source in sets.items()
         }
         self.eval_datasets: dict[str, Any] = {}

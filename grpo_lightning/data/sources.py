@@ -145,6 +145,7 @@ def load_prompt_dataset(
     split: str = "train",
     data_files: str | list[str] | dict | None = None,
     prompt_column: str = "prompt",
+    prompt_template: str | None = None,
     streaming: bool = False,
     cache_dir: str | None = None,
 ) -> datasets.Dataset | datasets.IterableDataset:
@@ -159,6 +160,8 @@ def load_prompt_dataset(
         split: The split to load. A single file or glob is loaded as this split.
         data_files: Files handed to ``datasets.load_dataset`` as ``data_files``.
         prompt_column: The column holding the prompts; renamed to ``prompt`` when different.
+        prompt_template: Build the ``prompt`` column from other columns instead, with a Python
+            format string such as ``"Make {target} from {nums}."``.
         streaming: Return an ``IterableDataset`` instead of loading everything.
         cache_dir: ``datasets`` cache folder; ``None`` uses the default.
 
@@ -179,6 +182,8 @@ def load_prompt_dataset(
         if first is None:
             raise ValueError(f"dataset {label} is empty: it has no rows to train on.")
         columns = list(first)
+    if prompt_template is not None:
+        return _apply_template(dataset, prompt_template, list(columns), label)
     if prompt_column not in columns:
         hint = "" if prompt_column != "prompt" else " (for example data.prompt_column: question)"
         raise ValueError(
@@ -197,6 +202,25 @@ def load_prompt_dataset(
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
         raise ValueError(f"dataset {label} is empty: it has no rows to train on.")
     return dataset
+
+
+def _apply_template(dataset: Any, template: str, columns: list[str], label: str) -> Any:
+    """Add a ``prompt`` column rendered from ``template`` and each row's columns."""
+    import string
+
+    fields = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+    missing = sorted(fields - set(columns))
+    if missing:
+        raise ValueError(
+            f"data.prompt_template uses {missing}, which dataset {label} does not have; its columns "
+            f"are {columns}."
+        )
+    if "prompt" in columns:
+        raise ValueError(
+            f"dataset {label} already has a 'prompt' column: remove data.prompt_template to use it, "
+            "or rename that column."
+        )
+    return dataset.map(lambda row: {"prompt": template.format(**row)})
 
 
 __all__ = ["FILE_BUILDERS", "is_conversational", "load_prompt_dataset"]

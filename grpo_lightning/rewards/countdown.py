@@ -150,7 +150,7 @@ def countdown_reward(
     return rewards
 
 
-_TAIL = re.compile(r"[\d\s+\-*/().=×÷−·]+$")
+_TAIL = re.compile(r"[\d\s+\-*/()=×÷−·]+$")
 
 
 def _arithmetic_tail(line: str) -> str:

@@ -159,3 +159,16 @@ def test_is_conversational() -> None:
     assert not is_conversational([])
     assert not is_conversational(["hi"])
     assert not is_conversational(None)
+
+
+def test_prompt_template_builds_the_prompt_column(tmp_path):
+    import json
+
+    from grpo_lightning.data.sources import load_prompt_dataset
+
+    path = tmp_path / "cd.jsonl"
+    path.write_text("\n".join(json.dumps({"nums": [3, 5, 7], "target": 22}) for _ in range(3)))
+    dataset = load_prompt_dataset(str(path), prompt_template="Use {nums} to make {target}.")
+    assert dataset[0]["prompt"] == "Use [3, 5, 7] to make 22." and dataset[0]["target"] == 22
+    with pytest.raises(ValueError, match=r"data\.prompt_template uses \['goal'\]"):
+        load_prompt_dataset(str(path), prompt_template="Make {goal}")
