@@ -275,3 +275,18 @@ def matmul_gflops(device: str = "cpu", n: int = 2048, dtype: str = "float32", re
         sync()
         best = min(best, (time.perf_counter() - t) / inner)
     return 2 * n**3 / best / 1e9
+
+
+def main() -> None:
+    """``python benchmarks/bench_assets.py SIZE ROOT OUT_JSON``: build one size's assets (a child
+    process, so that the benchmark's parent process stays small)."""
+    import sys
+
+    size, root, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    sys.path.insert(0, str(REPO))
+    root.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(build_assets(SIZES[size], root).to_dict()))
+
+
+if __name__ == "__main__":
+    main()

@@ -99,6 +99,7 @@ class RolloutBuilder:
         #: Gather prompts, completions, rewards and advantages of every generation batch into a
         #: :class:`CompletionTable` (costs a gather of texts; turned on by completion loggers).
         self.collect_table = False
+        self._warned_all_none: set[str] = set()
 
     def build(
         self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], generator: torch.Generator | None,
@@ -229,7 +230,17 @@ class RolloutBuilder:
         metrics = completion_metrics(lengths.cpu(), truncated.cpu())
         metrics.update(reward_metrics(global_rewards.cpu(), scores.names, stats))
         # Completions that no reward function applies to get advantage 0 (spec §2.3).
-        metrics["frac_reward_none"] = global_rewards.isnan().all(dim=1).float().mean().item()
+        missing = global_rewards.isnan()  # (N, F)
+        metrics["frac_reward_none"] = missing.all(dim=1).float().mean().item()
+        for column, name in enumerate(scores.names):
+            metrics[f"rewards/{name}/frac_none"] = missing[:, column].float().mean().item()
+            if missing[:, column].all() and name not in self._warned_all_none:
+                self._warned_all_none.add(name)
+                log.warning(
+                    "reward function %r returned None (or NaN) for every completion of a generation batch: "
+                    "it shapes no advantage. If that is not intended, check that it reads the right dataset "
+                    "columns (rewards/%s/frac_none tracks this).", name, name,
+                )
         for name, values in sorted(scores.logged_metrics.items()):
             local_mean = torch.tensor([sum(values) / max(len(values), 1)], device=device)
             metrics[name] = self.collective.gather_rows(local_mean).mean().item()

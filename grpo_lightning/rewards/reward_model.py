@@ -185,18 +185,28 @@ def _load_model(model: Any, init_kwargs: dict[str, Any] | None, trust_remote_cod
         raise TypeError(
             f"RewardModel: model must be a path/Hub id or an nn.Module, not {type(model).__name__}."
         )
+    path = os.path.expanduser(str(model))
+    # A Hub id is "org/name"; anything else with a path shape must be an existing folder.
+    looks_local = (
+        path.startswith(("/", ".", "\\")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
+    )
+    if looks_local and not os.path.isdir(path):
+        raise ValueError(
+            f"reward model folder '{model}' does not exist: give a folder saved with "
+            "save_pretrained, or a Hub id 'org/name' (data.reward_funcs)."
+        )
     from transformers import AutoModelForSequenceClassification
 
     kwargs = dict(init_kwargs or {})
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     kwargs.pop("num_labels", None)
     try:
-        return AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, **kwargs)
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
     except Exception as err:
         if hasattr(err, "add_note"):
             err.add_note(
-                f"(while loading reward model '{model}' listed in data.reward_funcs: give a local "
-                "folder saved with save_pretrained, or a Hub id of a sequence-classification model)"
+                f"(while loading reward model '{model}' from data.reward_funcs: it must be a "
+                "sequence-classification model folder or Hub id)"
             )
         raise
 
@@ -208,7 +218,7 @@ def _load_tokenizer(model: torch.nn.Module, source: Any, processing_class: Any, 
 
     path = processing_class
     if path is None:
-        path = source if isinstance(source, (str, os.PathLike)) else _config_name(model)
+        path = os.path.expanduser(str(source)) if isinstance(source, (str, os.PathLike)) else _config_name(model)
     if not path:
         raise ValueError(
             f"reward model {type(model).__name__} has no tokenizer: it was given as an object "

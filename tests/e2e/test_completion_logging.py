@@ -50,3 +50,29 @@ def test_completion_table_metrics_and_multi_task_rewards(tmp_path):
     assert history[0].step == 1 and history[0].value == pytest.approx(applicable.mean(), rel=1e-5)
     logged = client.load_table(experiment.experiment_id, "completions/completions_00002.json", [run.info.run_id])
     assert "num_chars" in logged.columns and len(logged) == 16
+
+
+def test_a_reward_that_never_applies_is_warned_about_and_counted(tmp_path, caplog):
+    import logging
+
+    import lightning.pytorch as pl
+
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+    from grpo_lightning.types import GenerationParams
+    from tests.helpers import length_reward
+
+    def never_applies(completions, **kwargs):
+        return [None] * len(completions)
+
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward, never_applies],
+                             num_generations=4, per_device_train_batch_size=8,
+                             generation=GenerationParams(max_completion_length=3))
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    with caplog.at_level(logging.WARNING, logger="grpo_lightning"):
+        trainer.fit(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False), data)
+    assert "'never_applies' returned None" in caplog.text
+    batch = data._buffer[0]
+    assert batch.generation_metrics["rewards/never_applies/frac_none"] == 1.0
+    assert batch.generation_metrics["frac_reward_none"] == 0.0

@@ -1,0 +1,262 @@
+"""Token layouts for the log-prob forward: padded or packed (padding-free), and token-budget groups.
+
+A *layout* says which tokens go into the model, with which position ids, and which hidden
+states predict which completion tokens. Both layouts reproduce the plain path exactly on every
+real completion token (``completion_mask == 1``): each real token attends to the real tokens
+before it in its own row, and its position id is the number of those tokens (the plain path's
+``cumsum(mask) - 1``).
+
+Layer L0: pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Model inputs plus the index maps between hidden states and completion tokens.
+
+    Attributes:
+        input_ids: ``(R, W)`` token ids fed to the model.
+        position_ids: ``(R, W)`` position ids.
+        attention_mask: ``(R, W)`` padding mask (padded layout), or ``None`` for a packed layout,
+            where sequences are told apart by position ids restarting at 0.
+        predict_index: ``(M,)`` flat index into the ``(R·W)`` hidden states: the state that
+            predicts each real completion token.
+        target_ids: ``(M,)`` those completion tokens.
+        output_index: ``(M,)`` flat index into the ``(B·T)`` completion grid where each result goes.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    predict_index: torch.Tensor
+    target_ids: torch.Tensor
+    output_index: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of completion tokens scored (``M``)."""
+        return int(self.target_ids.numel())
+
+
+def is_left_padded(mask: torch.Tensor) -> bool:
+    """Every row of ``mask`` is zeros then ones.
+
+    >>> is_left_padded(torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 0]])), is_left_padded(torch.tensor([[1, 0]]))
+    (True, False)
+    """
+    width = mask.shape[1]
+    cols = torch.arange(width, device=mask.device)
+    expected = cols.unsqueeze(0) >= (width - (mask != 0).sum(1, keepdim=True))
+    return bool(((mask != 0) == expected).all())
+
+
+def is_right_padded(mask: torch.Tensor) -> bool:
+    """Every row of ``mask`` is ones then zeros.
+
+    >>> is_right_padded(torch.tensor([[1, 1, 0], [0, 0, 0]])), is_right_padded(torch.tensor([[0, 1]]))
+    (True, False)
+    """
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    expected = cols.unsqueeze(0) < (mask != 0).sum(1, keepdim=True)
+    return bool(((mask != 0) == expected).all())
+
+
+def _completion_targets(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, prompt_width: int, total_width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows/cols of the real completion tokens, the column of the state predicting each, targets
+    and output indices."""
+    rows, cols = (completion_mask != 0).nonzero(as_tuple=True)
+    predictor_cols = prompt_width + cols - 1  # column in the (B, Tp+T) concatenation
+    targets = completion_ids[rows, cols]
+    output_index = rows * completion_ids.shape[1] + cols
+    return rows, predictor_cols, targets, output_index
+
+
+def padded_layout(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> TokenLayout:
+    """The plain ``(B, Tp+T)`` padded batch, with position ids from the mask, scoring only the
+    real completion tokens.
+
+    >>> lay = padded_layout(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]),
+    ...                     torch.tensor([[8, 9], [3, 0]]), torch.tensor([[1, 1], [1, 0]]))
+    >>> lay.position_ids.tolist(), lay.predict_index.tolist(), lay.target_ids.tolist(), lay.output_index.tolist()
+    ([[0, 0, 1, 2], [0, 1, 2, 2]], [1, 2, 5], [8, 9, 3], [0, 1, 2])
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_width, total_width = prompt_ids.shape[1], input_ids.shape[1]
+    rows, predictor_cols, targets, output_index = _completion_targets(
+        completion_ids, completion_mask, prompt_width, total_width
+    )
+    return TokenLayout(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        predict_index=rows * total_width + predictor_cols,
+        target_ids=targets,
+        output_index=output_index,
+    )
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bin-pack item indices by length, longest first, each into the first bin it fits.
+
+    Every bin's total is at most ``max(capacity, max(lengths))``; items keep ascending index
+    order inside a bin.
+
+    >>> first_fit_decreasing([5, 3, 4, 2, 1], 6)
+    [[0, 4], [2, 3], [1]]
+    """
+    capacity = max([capacity, *lengths]) if lengths else capacity
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        for b, used in enumerate(fill):
+            if used + lengths[i] <= capacity:
+                bins[b].append(i)
+                fill[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            fill.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def packed_layout(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    row_tokens: int | None = None,
+    pad_token_id: int = 0,
+) -> TokenLayout | None:
+    """Padding-free layout: the real tokens of each sequence (prompt + completion), packed end to
+    end with position ids restarting at 0 per sequence.
+
+    Rows without a real completion token are left out (nothing of theirs is scored). With
+    ``row_tokens=None`` every sequence goes into one row (varlen kernels: flash-attention takes
+    ``(1, N)``); otherwise sequences are packed first-fit-decreasing into rows of at most
+    ``max(row_tokens, longest sequence)`` tokens, which bounds the attention cost of mask-based
+    kernels. Unused slots at the end of a row hold ``pad_token_id`` with position 0, so each is
+    its own one-token sequence; no state of theirs is read.
+
+    Returns ``None`` when a real completion token is predicted by a padding position of the
+    padded batch (a completion after an empty prompt, or a gap in the masks): the plain path
+    would then read a padding state, which a packed layout cannot reproduce.
+
+    >>> lay = packed_layout(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]),
+    ...                     torch.tensor([[8, 9], [3, 0]]), torch.tensor([[1, 1], [1, 0]]))
+    >>> lay.input_ids.tolist(), lay.position_ids.tolist(), lay.attention_mask
+    ([[5, 8, 9, 6, 7, 3]], [[0, 1, 2, 0, 1, 2]], None)
+    >>> lay.predict_index.tolist(), lay.target_ids.tolist(), lay.output_index.tolist()
+    ([0, 1, 4], [8, 9, 3], [0, 1, 2])
+    """
+    device = prompt_ids.device
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, Tp+T)
+    real = torch.cat([prompt_mask, completion_mask], dim=1) != 0
+    has_completion = (completion_mask != 0).any(1)
+    real &= has_completion.unsqueeze(1)  # drop rows with nothing to score
+    prompt_width, total_width = prompt_ids.shape[1], input_ids.shape[1]
+    position = real.long().cumsum(1) - 1  # (B, Tp+T): position of each real token
+    lengths = real.sum(1)  # (B,)
+
+    kept = has_completion.nonzero(as_tuple=True)[0].tolist()
+    kept_lengths = lengths[kept].tolist() if kept else []
+    if row_tokens is None:
+        bins = [kept] if kept else []
+    else:
+        bins = [[kept[j] for j in b] for b in first_fit_decreasing(kept_lengths, row_tokens)]
+    num_rows = max(len(bins), 1)
+    row_of = torch.zeros(input_ids.shape[0], dtype=torch.long)
+    start_of = torch.zeros(input_ids.shape[0], dtype=torch.long)
+    width = 1
+    lengths_cpu = lengths.cpu()
+    for r, members in enumerate(bins):
+        offset = 0
+        for i in members:
+            row_of[i], start_of[i] = r, offset
+            offset += int(lengths_cpu[i])
+        width = max(width, offset)
+    row_of, start_of = row_of.to(device), start_of.to(device)
+
+    dest = row_of.unsqueeze(1) * width + start_of.unsqueeze(1) + position  # (B, Tp+T)
+    dest = torch.where(real, dest, torch.full_like(dest, -1))
+    flat_ids = torch.full((num_rows * width,), pad_token_id, dtype=input_ids.dtype, device=device)
+    flat_pos = torch.zeros(num_rows * width, dtype=torch.long, device=device)
+    flat_ids[dest[real]] = input_ids[real]
+    flat_pos[dest[real]] = position[real]
+
+    rows, predictor_cols, targets, output_index = _completion_targets(
+        completion_ids, completion_mask, prompt_width, total_width
+    )
+    predict_index = dest[rows, predictor_cols.clamp(min=0)]
+    predict_index = torch.where(predictor_cols >= 0, predict_index, torch.full_like(predict_index, -1))
+    if bool((predict_index < 0).any()):
+        return None
+    return TokenLayout(
+        input_ids=flat_ids.view(num_rows, width),
+        position_ids=flat_pos.view(num_rows, width),
+        attention_mask=None,
+        predict_index=predict_index,
+        target_ids=targets,
+        output_index=output_index,
+    )
+
+
+def token_budget_groups(lengths: torch.Tensor, widths: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Split rows into groups whose padded size fits a token budget, longest rows first.
+
+    Rows are sorted by ``lengths`` (descending; ties keep index order); a group grows while
+    ``rows × max(widths in group) ≤ budget``. A row wider than the budget forms its own group.
+
+    Args:
+        lengths: ``(B,)`` sort key (real tokens of each row).
+        widths: ``(B,)`` the padded width a row needs in a group (e.g. its own real length).
+        budget: maximum ``rows × width`` of a group.
+
+    Returns:
+        Index tensors (on ``lengths.device``) covering every row exactly once.
+
+    >>> [g.tolist() for g in token_budget_groups(torch.tensor([3, 9, 4, 8]), torch.tensor([3, 9, 4, 8]), 18)]
+    [[1, 3], [2, 0]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    widths_list = widths.tolist()
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_width = 0
+    for i in order:
+        new_width = max(current_width, int(widths_list[i]))
+        if current and (len(current) + 1) * new_width > budget:
+            groups.append(current)
+            current, new_width = [], int(widths_list[i])
+        current.append(i)
+        current_width = new_width
+    if current:
+        groups.append(current)
+    return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]
+
+
+def scatter_tokens(values: torch.Tensor, output_index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Place per-token ``values`` ``(M,)`` into a zero ``shape`` grid at flat ``output_index``
+    (differentiable w.r.t. ``values``).
+
+    >>> scatter_tokens(torch.tensor([1.0, 2.0]), torch.tensor([3, 0]), (2, 2)).tolist()
+    [[2.0, 0.0], [0.0, 1.0]]
+    """
+    grid = values.new_zeros(shape[0] * shape[1])
+    return grid.index_copy(0, output_index, values).view(shape)
