@@ -89,7 +89,7 @@ def chunked_head_logprobs(
     >>> h = torch.tensor([[0.0, 0.0], [2.0, 0.0]])
     >>> lp, ent = chunked_head_logprobs(h, torch.tensor([0, 2]), head, chunk_tokens=1)
     >>> [round(x, 4) for x in lp.tolist()], [round(x, 4) for x in ent.tolist()]
-    ([-1.0986, -2.2395], [1.0986, 0.6284])
+    ([-1.0986, -2.2395], [1.0986, 0.6656])
     """
     if hidden.dim() != 2 or token_ids.shape != hidden.shape[:1]:
         raise ValueError(

@@ -217,38 +217,49 @@ def packed_layout(
     )
 
 
-def token_budget_groups(lengths: torch.Tensor, widths: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """Split rows into groups whose padded size fits a token budget, longest rows first.
+def token_budget_groups(
+    prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor, budget: int, *, packed: bool = False
+) -> list[torch.Tensor]:
+    """Split rows into groups that fit a token budget, longest rows first.
 
-    Rows are sorted by ``lengths`` (descending; ties keep index order); a group grows while
-    ``rows × max(widths in group) ≤ budget``. A row wider than the budget forms its own group.
+    Rows are sorted by real length ``prompt + completion`` (descending; ties keep index order) and
+    a group grows while its size stays within ``budget``: ``rows × (max prompt + max completion)``
+    for a padded batch (left-padded prompts, right-padded completions), or the sum of the real
+    lengths when ``packed``. A row larger than the budget forms its own group.
 
     Args:
-        lengths: ``(B,)`` sort key (real tokens of each row).
-        widths: ``(B,)`` the padded width a row needs in a group (e.g. its own real length).
-        budget: maximum ``rows × width`` of a group.
+        prompt_lengths, completion_lengths: ``(B,)`` real tokens of each row.
+        budget: maximum tokens of a group.
+        packed: size groups by real tokens (padding-free forward) instead of padded size.
 
     Returns:
-        Index tensors (on ``lengths.device``) covering every row exactly once.
+        Index tensors (on ``prompt_lengths.device``) covering every row exactly once.
 
-    >>> [g.tolist() for g in token_budget_groups(torch.tensor([3, 9, 4, 8]), torch.tensor([3, 9, 4, 8]), 18)]
+    >>> p, c = torch.tensor([2, 2, 5, 2]), torch.tensor([1, 7, 1, 6])
+    >>> [g.tolist() for g in token_budget_groups(p, c, 24)]
     [[1, 3], [2, 0]]
+    >>> [g.tolist() for g in token_budget_groups(p, c, 24, packed=True)]
+    [[1, 3, 2], [0]]
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    widths_list = widths.tolist()
+    prompts, completions = prompt_lengths.tolist(), completion_lengths.tolist()
+    order = sorted(range(len(prompts)), key=lambda i: (-(prompts[i] + completions[i]), i))
     groups: list[list[int]] = []
     current: list[int] = []
-    current_width = 0
+    max_prompt = max_completion = total = 0
     for i in order:
-        new_width = max(current_width, int(widths_list[i]))
-        if current and (len(current) + 1) * new_width > budget:
+        p, c = int(prompts[i]), int(completions[i])
+        if packed:
+            size = total + p + c
+        else:
+            size = (len(current) + 1) * (max(max_prompt, p) + max(max_completion, c))
+        if current and size > budget:
             groups.append(current)
-            current, new_width = [], int(widths_list[i])
+            current, max_prompt, max_completion, total = [], 0, 0, 0
         current.append(i)
-        current_width = new_width
+        max_prompt, max_completion, total = max(max_prompt, p), max(max_completion, c), total + p + c
     if current:
         groups.append(current)
-    return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]
+    return [torch.tensor(g, dtype=torch.long, device=prompt_lengths.device) for g in groups]
 
 
 def scatter_tokens(values: torch.Tensor, output_index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
