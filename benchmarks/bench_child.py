@@ -133,7 +133,7 @@ def run_ours(spec: dict, rec: Recorder) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             rec.add("optimizer", rec.now() - self._opt)
-            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("loss", "reward")}
+            metrics = {f"logged_{k}": float(v) for k, v in trainer.callback_metrics.items() if k in ("loss", "reward")}
             rec.step_end(metrics)
 
     pl.seed_everything(spec["seed"], verbose=False)
@@ -256,7 +256,7 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
 
         def on_log(self, args, state_, control, logs=None, **kwargs):
             if rec.steps and logs:
-                rec.steps[-1].update({k: float(logs[k]) for k in ("loss", "reward") if k in logs})
+                rec.steps[-1].update({f"logged_{k}": float(logs[k]) for k in ("loss", "reward") if k in logs})
 
     cuda = spec["device"] == "cuda"
     with open(spec["prompts_file"]) as f:

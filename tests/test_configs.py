@@ -67,3 +67,21 @@ def test_loss_by_short_class_name_and_by_name(tmp_path):
                   "--model.loss", loss],
         )
         assert cli.config.model.loss
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_instantiates_with_a_local_model(config, tmp_path, monkeypatch):
+    """Rewards, losses, samplers and callbacks of every recipe resolve (the hub model and the
+    GPU are swapped for a tiny local model on CPU; nothing is downloaded or trained)."""
+    from tests.helpers import make_model_dir
+
+    monkeypatch.chdir(config.parents[1])
+    cli = GRPOLightningCLI(
+        GRPOModule, RolloutDataModule, trainer_defaults=TRAINER_DEFAULTS, save_config_callback=LogConfigToMLflow,
+        run=False,
+        args=["--config", str(config), "--model.model", make_model_dir(tmp_path / "m"),
+              "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true",
+              "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"],
+    )
+    assert cli.datamodule.rewards.names
+    assert cli.model.loss is not None

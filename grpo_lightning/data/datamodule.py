@@ -44,7 +44,11 @@ class RolloutDataModule(pl.LightningDataModule):
             callables (sync or ``async def``) taking ``prompts, completions, completion_ids``,
             every dataset column, ``trainer_state``, ``log_extra``, ``log_metric``, ``**kwargs``
             and returning one float (or ``None`` = not applicable) per completion.
+            A path to a sequence-classification model (``num_labels=1``) or a
+            ``class_path: grpo_lightning.rewards.RewardModel`` entry makes a reward model.
         reward_weights: One weight per reward function (default: all 1.0).
+        reward_processing_classes: Tokenizers of the reward models: one per reward function
+            (``null`` for functions and for a model's own tokenizer) or one for all.
         dataset_config: Configuration name of a hub dataset.
         split: Dataset split to train on.
         data_files: Data files for a hub-style or builder dataset.
@@ -91,6 +95,7 @@ class RolloutDataModule(pl.LightningDataModule):
         dataset: str,
         reward_funcs: list[Callable | str],
         reward_weights: list[float] | None = None,
+        reward_processing_classes: list[str | None] | str | None = None,
         dataset_config: str | None = None,
         split: str = "train",
         data_files: str | list[str] | None = None,
@@ -129,7 +134,10 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         # World-size-independent checks now, before any model work (the full plan in setup()).
         check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
-        self.rewards = RewardRunner(resolve_reward_funcs(reward_funcs), reward_weights)
+        self.rewards = RewardRunner(
+            resolve_reward_funcs(reward_funcs, reward_processing_classes), reward_weights,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         self.sampler = get_sampler(sampler)
         self.dataset_source = dict(
             path_or_name=dataset, name=dataset_config, split=split, data_files=data_files,
@@ -189,6 +197,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if stage == "validate" and not self.eval_sources:
             raise ValueError("grpo validate needs evaluation prompts: set data.eval_dataset.")
         self.sampler.bind(handle)
+        self.rewards.to(self.trainer.strategy.root_device)  # reward models score on the training device
         if stage == "fit" and self.builder is None:
             self._setup_training(handle)
         if stage in ("fit", "validate") and not self.eval_builders:

@@ -1,13 +1,115 @@
-"""The policy forward pass over prompt + completion, returning completion-token log-probs."""
+"""The policy forward pass over prompt + completion, returning completion-token log-probs.
+
+Three interchangeable paths give the same log-probs and gradients on every real completion token
+(``completion_mask == 1``); :class:`ForwardOptions` picks one:
+
+* **plain**: ``model(input_ids, attention_mask, position_ids, logits_to_keep=T+1)`` on the padded
+  batch, then log-softmax of the ``(B, T, V)`` logits (TRL's path).
+* **chunked LM head** (``chunked_lm_head``): the decoder's final hidden states are taken from the
+  base model, and only the real completion positions go through the LM head, ``lm_head_chunk_tokens``
+  at a time, each chunk checkpointed, so full-vocabulary fp32 logits are never held for the batch.
+* **padding-free** (``padding_free``): the real tokens of every row are packed end to end with
+  position ids restarting at 0 per sequence and no attention mask; transformers then isolates
+  the sequences (a block-diagonal causal mask for ``sdpa``/``eager``/``flex_attention``, varlen
+  kernels for flash-attention), so no compute is spent on padding.
+
+The optimized paths need a model whose logits are ``head(base(...).last_hidden_state)`` (up to a
+constant scale and Gemma's final soft-capping): the architectures in :data:`HEAD_MODEL_TYPES`.
+Anything else, or a layout they cannot reproduce, falls back to the plain path with a log line.
+Positions outside ``completion_mask`` hold 0 in the optimized paths (values every consumer masks).
+
+``logprob_token_budget`` splits the no-grad passes (old/reference log-probs) into groups sized by
+tokens instead of rows, longest rows first, each trimmed of padding; results return in row order.
+"""
 
 from __future__ import annotations
 
 import inspect
+import logging
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
+from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
+from grpo_lightning.algo.packing import (
+    TokenLayout,
+    is_left_padded,
+    is_right_padded,
+    packed_layout,
+    padded_layout,
+    scatter_tokens,
+    token_budget_groups,
+)
+
+log = logging.getLogger(__name__)
+
+# ``config.model_type`` values whose ``*ForCausalLM.forward`` computes
+# ``lm_head(base_model(...).last_hidden_state)`` followed at most by a constant scale (Cohere's
+# ``logit_scale``, Granite's ``logits_scaling``) or ``final_logit_softcapping`` (Gemma 2/3), and
+# whose base model builds its attention mask from ``position_ids`` (packed sequences); checked
+# against transformers 5.24. Extend it for another architecture once that holds.
+HEAD_MODEL_TYPES: set[str] = {
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "ministral", "mixtral",
+    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2", "smollm3", "starcoder2",
+    "granite", "cohere", "gpt2", "gpt_neox",
+}  # fmt: skip
+# Attention implementations that isolate packed sequences with a materialised mask: the packed
+# sequences are spread over rows of bounded length to bound the quadratic attention cost.
+_MASKED_ATTENTION = ("sdpa", "eager")
+# Implementations with a varlen/block-sparse packed path: one packed row.
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the policy/reference forward computes completion log-probs.
+
+    Args:
+        chunked_lm_head: Compute log-probs and entropies from the final hidden states, running the
+            LM head on the real completion tokens only, ``lm_head_chunk_tokens`` at a time, each
+            chunk recomputed in backward: never holds ``(B, T, V)`` fp32 logits. Same values and
+            gradients as the plain path; peak memory of the head drops from ``O(B·T·V)`` to
+            ``O(chunk·V)`` for one extra head matmul per chunk in backward.
+        lm_head_chunk_tokens: Tokens per LM-head chunk.
+        padding_free: Pack the real tokens of every row end to end (position ids restart per
+            sequence, no attention mask) so that no compute goes to padding. Needs an attention
+            implementation that isolates packed sequences (``sdpa``, ``eager``, ``flex_attention``,
+            ``flash_attention_2/3``); falls back to the padded batch otherwise.
+        packed_row_tokens: For mask-based attention (``sdpa``/``eager``), sequences are packed
+            first-fit-decreasing into rows of at most ``max(packed_row_tokens, longest
+            sequence)`` tokens (``None``: the longest sequence), which keeps the attention cost
+            near the padded batch's. Varlen kernels (flash, flex) always take one packed row.
+        logprob_token_budget: When set, no-grad passes (old/reference log-probs) run in groups
+            of at most this many tokens (padded ``rows × width``, or real tokens when
+            ``padding_free``), longest rows first and trimmed of padding, instead of one group
+            of the rows given. ``None`` keeps the rows given.
+    """
+
+    chunked_lm_head: bool = True
+    lm_head_chunk_tokens: int = 1024
+    padding_free: bool = True
+    packed_row_tokens: int | None = None
+    logprob_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lm_head_chunk_tokens < 1:
+            raise ValueError(f"forward.lm_head_chunk_tokens={self.lm_head_chunk_tokens}: it must be >= 1.")
+        if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
+            raise ValueError(
+                f"forward.packed_row_tokens={self.packed_row_tokens}: use a positive token count or null."
+            )
+        if self.logprob_token_budget is not None and self.logprob_token_budget < 1:
+            raise ValueError(
+                f"forward.logprob_token_budget={self.logprob_token_budget}: use a positive token count or null."
+            )
+
+    @classmethod
+    def plain(cls) -> "ForwardOptions":
+        """The plain path: padded batch, full logits from the model (TRL's forward)."""
+        return cls(chunked_lm_head=False, padding_free=False)
 
 
 @lru_cache(maxsize=None)
@@ -15,30 +117,90 @@ def _accepts_logits_to_keep(forward_cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
 
 
-def completion_logprobs(
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+@dataclass(frozen=True)
+class _ModelParts:
+    """What the optimized paths call: the decoder (or ``None``: hidden states from the wrapped
+    model's ``output_hidden_states``), the LM head and the post-head logit transforms."""
+
+    base: torch.nn.Module | None
+    head: torch.nn.Module
+    logit_scale: float | None
+    softcap: float | None
+    attn_implementation: str
+
+
+def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
+    """The decoder and head of ``model``, or why the optimized paths cannot use it."""
+    core = getattr(model, "module", model)  # DDP-wrapped models expose the real class as .module
+    wrapped = core is not model
+    name = type(core).__name__
+    if type(core).__module__.split(".")[0] == "peft":
+        return f"{name} is a PEFT model (not verified with the chunked head / padding-free paths)"
+    config = getattr(core, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in HEAD_MODEL_TYPES:
+        return (
+            f"model type {model_type!r} ({name}) is not in grpo_lightning.module.forward.HEAD_MODEL_TYPES "
+            "(architectures whose logits are lm_head(base_model(...).last_hidden_state))"
+        )
+    get_head = getattr(core, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    base = getattr(core, "base_model", None)
+    if not isinstance(head, torch.nn.Module) or not isinstance(base, torch.nn.Module) or base is core:
+        return f"{name} exposes no separate base model and LM head"
+    if wrapped:
+        if not _accepts_logits_to_keep(type(core)):
+            return f"wrapped {name} has no logits_to_keep to skip its own head"
+        base = None  # calling the inner decoder would bypass the wrapper (DDP hooks)
+    logit_scale = None
+    if getattr(config, "logit_scale", None) is not None and model_type == "cohere":
+        logit_scale = float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None and model_type == "granite":
+        logit_scale = 1.0 / float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return _ModelParts(
+        base=base,
+        head=head,
+        logit_scale=logit_scale,
+        softcap=float(softcap) if softcap else None,
+        attn_implementation=str(getattr(config, "_attn_implementation", None)),
+    )
+
+
+def _hidden_states(model: torch.nn.Module, parts: _ModelParts, layout: TokenLayout) -> torch.Tensor:
+    """Final (post-norm) hidden states of ``layout``, ``(R, W, H)``."""
+    kwargs: dict[str, Any] = dict(
+        input_ids=layout.input_ids,
+        attention_mask=layout.attention_mask,
+        position_ids=layout.position_ids,
+        use_cache=False,
+    )
+    if parts.base is not None:
+        out = parts.base(**kwargs)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    # Through the wrapper: its own head runs on one position only.
+    return model(**kwargs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+
+
+def _plain_logprobs(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float,
-    *,
-    with_entropy: bool = True,
-    entropy_requires_grad: bool = False,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the completion tokens.
-
-    Args:
-        prompt_ids, prompt_mask: ``(B, Tp)`` left-padded prompts.
-        completion_ids, completion_mask: ``(B, T)`` right-padded completions.
-        temperature: logits are divided by it (the sampled distribution is the one trained).
-
-    Returns:
-        ``(logps (B, T), entropies (B, T) or None)``, fp32.
-
-    Position ids are derived from the attention mask, so left padding does not shift positions:
-    the same positions ``generate`` used (TRL passes none, which is equivalent only for RoPE).
-    """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, Tp+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -55,4 +217,177 @@ def completion_logprobs(
         temperature,
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
+    )
+
+
+def _packed_row_tokens(parts: _ModelParts, options: ForwardOptions) -> tuple[bool, int | None]:
+    """``(supported, row_tokens)`` of the packed layout for this attention implementation."""
+    impl = parts.attn_implementation
+    if impl in _MASKED_ATTENTION:
+        return True, options.packed_row_tokens or 1
+    if impl in _VARLEN_ATTENTION or ("flash" in impl and "paged" not in impl):
+        return True, None
+    return False, None
+
+
+def _optimized_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    parts = _model_parts(model)
+    if isinstance(parts, str):
+        _log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
+        return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
+    layout = None
+    if options.padding_free:
+        supported, row_tokens = _packed_row_tokens(parts, options)
+        if not supported:
+            _log_once(
+                f"Padding-free forward off: attention implementation {parts.attn_implementation!r} cannot "
+                "isolate packed sequences; using the padded batch."
+            )
+        else:
+            layout = packed_layout(
+                prompt_ids, prompt_mask, completion_ids, completion_mask, row_tokens=row_tokens
+            )
+            if layout is None:
+                _log_once(
+                    "Padding-free forward skipped for a batch where a completion token follows a padding "
+                    "position (empty prompt or gaps in the masks); using the padded batch."
+                )
+    if layout is None:
+        layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if layout.num_tokens == 0:  # nothing to score: keep the plain path's autograd graph
+        return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
+    hidden = _hidden_states(model, parts, layout)
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.predict_index)  # (M, H)
+    logps, entropies = chunked_head_logprobs(
+        hidden,
+        layout.target_ids,
+        parts.head,
+        temperature,
+        chunk_tokens=options.lm_head_chunk_tokens if options.chunked_lm_head else None,
+        logit_scale=parts.logit_scale,
+        softcap=parts.softcap,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        recompute=options.chunked_lm_head,
+    )
+    shape = (completion_ids.shape[0], completion_ids.shape[1])
+    logps = scatter_tokens(logps, layout.output_index, shape)
+    if entropies is not None:
+        entropies = scatter_tokens(entropies, layout.output_index, shape)
+    return logps, entropies
+
+
+def _single_pass(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    if options.chunked_lm_head or options.padding_free:
+        return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options)
+    return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
+
+
+def _token_budget_pass(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad log-probs in token-budget groups, longest rows first, scattered back to row order."""
+    budget = int(options.logprob_token_budget)
+    prompt_lengths, completion_lengths = (prompt_mask != 0).sum(1), (completion_mask != 0).sum(1)
+    trim = is_left_padded(prompt_mask) and is_right_padded(completion_mask)
+    groups = token_budget_groups(prompt_lengths, completion_lengths, budget, packed=options.padding_free)
+    num_rows, width = completion_ids.shape
+    prompt_width = prompt_ids.shape[1]
+    logps = torch.zeros((num_rows, width), dtype=torch.float32, device=completion_ids.device)
+    entropies = torch.zeros_like(logps) if with_entropy else None
+    for rows in groups:
+        keep_prompt, keep_completion = prompt_width, width
+        if trim:  # padding of this group only
+            keep_prompt = min(max(int(prompt_lengths[rows].max()), 1), prompt_width)
+            keep_completion = max(int(completion_lengths[rows].max()), 1)
+        group_logps, group_entropies = _single_pass(
+            model,
+            prompt_ids[rows, prompt_width - keep_prompt :],
+            prompt_mask[rows, prompt_width - keep_prompt :],
+            completion_ids[rows, :keep_completion],
+            completion_mask[rows, :keep_completion],
+            temperature,
+            with_entropy,
+            False,
+            options,
+        )
+        logps[rows, :keep_completion] = group_logps.float()
+        if entropies is not None and group_entropies is not None:
+            entropies[rows, :keep_completion] = group_entropies.float()
+    return logps, entropies
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool = True,
+    entropy_requires_grad: bool = False,
+    options: ForwardOptions = ForwardOptions(),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the completion tokens.
+
+    Args:
+        prompt_ids, prompt_mask: ``(B, Tp)`` left-padded prompts.
+        completion_ids, completion_mask: ``(B, T)`` right-padded completions.
+        temperature: logits are divided by it (the sampled distribution is the one trained).
+        with_entropy: also return per-token entropies.
+        entropy_requires_grad: keep the entropies in the autograd graph (entropy bonus).
+        options: which forward path (see :class:`ForwardOptions`); ``ForwardOptions.plain()``
+            is TRL's padded forward with full logits.
+
+    Returns:
+        ``(logps (B, T), entropies (B, T) or None)``, fp32. Equal across paths on real completion
+        tokens; positions outside ``completion_mask`` hold 0 in the optimized paths.
+
+    Position ids are derived from the attention mask, so left padding does not shift positions:
+    the same positions ``generate`` used (TRL passes none, which is equivalent only for RoPE).
+    """
+    if options.logprob_token_budget is not None and not torch.is_grad_enabled():
+        return _token_budget_pass(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, options
+        )
+    return _single_pass(
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        temperature,
+        with_entropy,
+        entropy_requires_grad,
+        options,
     )

@@ -103,12 +103,18 @@ def _numbers(value: Any) -> list[int] | None:
 
 
 def countdown_reward(
-    completions: Sequence[Any], input: Sequence[Any], output: Sequence[Any], **kwargs: Any
+    completions: Sequence[Any],
+    input: Sequence[Any] | None = None,
+    output: Sequence[Any] | None = None,
+    *,
+    nums: Sequence[Any] | None = None,
+    target: Sequence[Any] | None = None,
+    **kwargs: Any,
 ) -> list[float | None]:
     r"""1.0 when the completion's expression uses exactly the given numbers and equals the target.
 
-    Dataset rows look like ``{"input": "30,100,93", "output": "23"}`` (the d1 / TinyZero
-    Countdown sets; for ``nums``/``target`` columns rename them to ``input``/``output``). The
+    Dataset rows look like ``{"input": "30,100,93", "output": "23"}`` (the d1 Countdown sets) or
+    ``{"nums": [30, 100, 93], "target": 23}`` (TinyZero's ``Countdown-Tasks-3to4``). The
     expression is the content of the last ``<answer>...</answer>`` of the completion, or its last
     line when there is no answer tag; each given number must appear exactly once (as in d1 and
     TinyZero, which compare the sorted integer literals), combined with ``+ - * /``, parentheses
@@ -123,6 +129,8 @@ def countdown_reward(
         completions: Strings, or conversational completions (lists of messages).
         input: The available numbers per row: ``"30,100,93"`` or a list of integers.
         output: The target per row (``"23"`` or ``23``).
+        nums: Same as ``input``, for datasets that name the column ``nums``.
+        target: Same as ``output``, for datasets that name the column ``target``.
         **kwargs: Other dataset columns and trainer state; ignored.
 
     Returns:
@@ -134,10 +142,19 @@ def countdown_reward(
         ...      "so 100 - 93 + 30 - 14 = 23", "<answer>100 - 93 + 16</answer>"],
         ...     ["30,100,93,14"] * 4, ["23"] * 4)
         [1.0, 0.0, 1.0, 0.0]
+        >>> countdown_reward(["<answer>(100 - 93) * 4</answer>"], nums=[[4, 100, 93]], target=[28])
+        [1.0]
     """
+    available = input if input is not None else nums
+    goals = output if output is not None else target
+    if available is None or goals is None:
+        raise ValueError(
+            "countdown_reward needs the dataset columns 'input' and 'output' (d1 format) or 'nums' "
+            "and 'target' (TinyZero format)."
+        )
     rewards: list[float | None] = []
-    for completion, nums, target in zip(completions, input, output, strict=True):
-        numbers, goal = _numbers(nums), _number(target)
+    for completion, row_numbers, row_goal in zip(completions, available, goals, strict=True):
+        numbers, goal = _numbers(row_numbers), _number(row_goal)
         if not numbers or goal is None:
             rewards.append(None)
             continue

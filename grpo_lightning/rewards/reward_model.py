@@ -176,10 +176,14 @@ def _is_conversational(prompt: Any) -> bool:
     )
 
 
-def _load_model(model: Any, init_kwargs: dict[str, Any] | None, trust_remote_code: bool):
+def _load_model(
+    model: Any, init_kwargs: dict[str, Any] | None, trust_remote_code: bool
+) -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         if init_kwargs:
-            raise ValueError("RewardModel: model_init_kwargs only apply when the model is given as a path.")
+            raise ValueError(
+                "RewardModel: model_init_kwargs only apply when the model is given as a path."
+            )
         return model
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
@@ -211,14 +215,17 @@ def _load_model(model: Any, init_kwargs: dict[str, Any] | None, trust_remote_cod
         raise
 
 
-def _load_tokenizer(model: torch.nn.Module, source: Any, processing_class: Any, trust_remote_code: bool):
+def _load_tokenizer(
+    model: torch.nn.Module, source: Any, processing_class: Any, trust_remote_code: bool
+) -> Any:
     if processing_class is not None and not isinstance(processing_class, (str, os.PathLike)):
         return processing_class
     from transformers import AutoTokenizer
 
     path = processing_class
     if path is None:
-        path = os.path.expanduser(str(source)) if isinstance(source, (str, os.PathLike)) else _config_name(model)
+        is_path = isinstance(source, (str, os.PathLike))
+        path = os.path.expanduser(str(source)) if is_path else _config_name(model)
     if not path:
         raise ValueError(
             f"reward model {type(model).__name__} has no tokenizer: it was given as an object "

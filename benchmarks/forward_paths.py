@@ -1,0 +1,214 @@
+"""Time and peak memory of the log-prob forward paths: plain vs chunked LM head vs padding-free.
+
+    python benchmarks/forward_paths.py                      # CPU, Qwen2 ~42M, 151,936-token vocabulary
+    python benchmarks/forward_paths.py --vocab 32000 --hidden 512 --layers 6
+    python benchmarks/forward_paths.py --device cuda        # peak = torch.cuda.max_memory_allocated
+
+Two workloads, each path measured in its own subprocess (so one path's freed heap does not hide
+another's peak):
+
+* ``train``: one training micro-step as ``GRPOModule.training_step`` runs it: completion log-probs
+  with grad (entropies for logging, no grad), the dapo loss, backward; gradient checkpointing on
+  (the module's default).
+* ``logprob``: the no-grad old/reference pass over a generation batch, in row chunks of the
+  micro-batch size (``rollout_logprobs``), and with a token budget.
+
+Peak memory on CPU is the rise of the process's peak RSS (``VmHWM``, reset before the measured
+steps) over the RSS just before them; on CUDA the peak of ``torch.cuda.max_memory_allocated``
+over the allocation before them. Prompts are left-padded (16–64 tokens), completions
+right-padded (8–``--max-completion`` tokens, one row at the maximum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PATHS = {
+    "plain": dict(chunked_lm_head=False, padding_free=False),
+    "chunked": dict(chunked_lm_head=True, padding_free=False),
+    "packed": dict(chunked_lm_head=False, padding_free=True),
+    "chunked+packed": dict(chunked_lm_head=True, padding_free=True),
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _batch(rows: int, max_completion: int, seed: int, vocab: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(16, 65, (rows,), generator=g)
+    completion_lengths = torch.randint(8, max_completion + 1, (rows,), generator=g)
+    completion_lengths[0] = max_completion
+    tp, t = int(prompt_lengths.max()), int(completion_lengths.max())
+    prompt_ids = torch.randint(3, vocab, (rows, tp), generator=g)
+    completion_ids = torch.randint(3, vocab, (rows, t), generator=g)
+    cols_p, cols_c = torch.arange(tp), torch.arange(t)
+    prompt_mask = (cols_p.unsqueeze(0) >= tp - prompt_lengths.unsqueeze(1)).long()
+    completion_mask = (cols_c.unsqueeze(0) < completion_lengths.unsqueeze(1)).long()
+    prompt_ids = prompt_ids * prompt_mask
+    completion_ids = completion_ids * completion_mask
+    advantages = torch.randn(rows, generator=g)
+    return [x.to(device) for x in (prompt_ids, prompt_mask, completion_ids, completion_mask, advantages)]
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    from grpo_lightning.losses import LossInputs, get_loss
+    from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
+    from grpo_lightning.utils.checkpointing import set_activation_checkpointing
+    from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model = build_tiny_causal_lm(
+        args.vocab, architecture="qwen2", hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
+        num_kv_heads=2, intermediate_size=4 * args.hidden, tie_word_embeddings=True, max_position_embeddings=1024,
+    ).to(device)
+    model.config.use_cache = False
+    if args.mode == "train":
+        model.train()
+        set_activation_checkpointing(model, True)
+    else:
+        model.eval()
+    params = sum(p.numel() for p in model.parameters())
+    options = ForwardOptions(**PATHS[args.path], lm_head_chunk_tokens=args.chunk_tokens,
+                             logprob_token_budget=args.token_budget)
+    loss_fn = get_loss("dapo")
+    rows = args.rows if args.mode == "train" else args.rows * args.generation_chunks
+    batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device) for i in range(args.steps + 1)]
+
+    def step(batch):
+        prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = batch
+        if args.mode == "train":
+            logps, entropies = completion_logprobs(
+                model, prompt_ids, prompt_mask, completion_ids, completion_mask, args.temperature, options=options
+            )
+            out = loss_fn(LossInputs(logps=logps, old_logps=None, advantages=advantages, mask=completion_mask,
+                                     entropies=entropies, num_items_in_batch=completion_mask.sum().float()))
+            out.loss.backward()
+            return float(out.loss)
+        with torch.no_grad():  # as GRPOModule.rollout_logprobs: row chunks of the micro-batch size
+            for start in range(0, rows, args.rows):
+                sl = slice(start, start + args.rows)
+                completion_logprobs(model, prompt_ids[sl], prompt_mask[sl], completion_ids[sl],
+                                    completion_mask[sl], args.temperature, with_entropy=False, options=options)
+        return 0.0
+
+    if device.type == "cuda":
+        sync = torch.cuda.synchronize
+    else:
+        def sync():
+            return None
+
+    step(batches[0])  # warm-up (allocates gradients)
+    model.zero_grad(set_to_none=False)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_bytes()
+        _reset_peak_rss()
+    times = []
+    for batch in batches[1:]:
+        started = time.perf_counter()
+        step(batch)
+        sync()
+        times.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=False)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
+    tokens = sum(int(b[1].sum() + b[3].sum()) for b in batches[1:])
+    return dict(path=args.path, mode=args.mode, params=params, median_s=statistics.median(times),
+                tokens_per_s=tokens / sum(times), peak_mib=(peak - base) / 2**20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=16, help="micro-batch rows (8 generations x 2 prompts)")
+    parser.add_argument("--generation-chunks", type=int, default=2, help="micro-batches per generation batch (logprob)")
+    parser.add_argument("--max-completion", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.9)
+    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--token-budget", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--modes", default="train,logprob")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="plain", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="train", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+
+    results = []
+    passthrough = [a for a in sys.argv[1:] if not a.startswith("--json")]
+    runs = [(m, p) for m in args.modes.split(",") for p in args.paths.split(",")]
+    if "logprob" in args.modes.split(",") and args.token_budget is None:
+        budget = args.rows * (64 + args.max_completion) // 2
+        runs.append(("logprob", f"chunked+packed@budget={budget}"))
+    for mode, path in runs:
+        extra = []
+        name = path
+        if "@budget=" in path:
+            path, budget = path.split("@budget=")
+            extra = ["--token-budget", budget]
+        cmd = [sys.executable, __file__, *passthrough, "--child", "--path", path, "--mode", mode, *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{mode}/{name} failed")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result["path"] = name
+        results.append(result)
+        print(f"{mode:8s} {name:32s} {result['median_s']:8.3f} s  {result['tokens_per_s']:9.0f} tok/s  "
+              f"peak +{result['peak_mib']:8.1f} MiB", flush=True)
+
+    params = results[0]["params"] if results else 0
+    print(f"\nQwen2 {params / 1e6:.1f}M parameters (vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+          f"tied), {args.rows} rows/micro-batch, completions 8-{args.max_completion}, device {args.device}, "
+          f"{args.threads} threads, LM-head chunk {args.chunk_tokens} tokens\n")
+    print("| workload | path | median step (s) | tokens/s | peak memory rise (MiB) |")
+    print("|---|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['mode']} | {r['path']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_mib']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
