@@ -28,22 +28,42 @@ def _chunk_logprobs(
     with_entropy: bool,
     entropy_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk: ``(n, H)`` hidden states → ``(n,)`` log-probs of ``token_ids`` (and entropies)."""
+    """One chunk: ``(n, H)`` hidden states → ``(n,)`` log-probs of ``token_ids`` (and entropies).
+
+    Holds at most about three ``(n, V)`` fp32 tensors at once; without autograd the logit
+    transforms run in place.
+    """
+    grad = torch.is_grad_enabled()
     logits = head(hidden).float()  # (n, V)
-    if logit_scale is not None:
-        logits = logits * logit_scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
+    if grad:
+        if logit_scale is not None:
+            logits = logits * logit_scale
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if temperature != 1.0:
+            logits = logits / temperature
+    else:
+        if logit_scale is not None:
+            logits.mul_(logit_scale)
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        if temperature != 1.0:
+            logits.div_(temperature)
     log_norm = torch.logsumexp(logits, dim=-1)  # (n,)
     logps = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_norm
     entropies = None
     if with_entropy:
-        # Computed after the log-probs: when it needs no grad, checkpoint recomputation stops
+        # After the log-probs: when the entropy needs no grad, checkpoint recomputation stops
         # before reaching it (early stop once every saved tensor is recomputed).
-        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+        if entropy_requires_grad and grad:
             probs = torch.softmax(logits, dim=-1)
             entropies = log_norm - (probs * logits).sum(-1)
+        else:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)
+                expected = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # Σ_v p·z, no (n, V) product
+                del probs
+                entropies = log_norm.detach() - expected
     return logps, entropies
 
 
