@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow)
 #   make test   create/refresh .venv, install with the [dev] extra, run the test suite
+#   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -30,6 +31,10 @@ demo: install
 
 test: install-dev
 	$(VENV)/bin/pytest -q
+
+# BENCH_ARGS passes options through, e.g. make bench BENCH_ARGS="--sizes tiny --repeats 5"
+bench: install-dev
+	$(PY) benchmarks/compare_trl.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

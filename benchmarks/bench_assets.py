@@ -199,20 +199,29 @@ def add_eos_bias(model, tokenizer, prompts: list[str], mean_length: float) -> di
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     tied = head.data_ptr() == emb.data_ptr()
-    d, a, eos, vocab = emb.shape[1] - 1, 1.0, tokenizer.eos_token_id, emb.shape[0]
+    d, eos, vocab = emb.shape[1] - 1, tokenizer.eos_token_id, emb.shape[0]
+    batch = tokenizer(prompts[:8], return_tensors="pt", padding=True)
+    real = batch.attention_mask.bool()
     with torch.no_grad():
-        emb[:, d] = a
         if not tied:
             head[:, d] = 0.0
-        batch = tokenizer(prompts[:8], return_tensors="pt", padding=True)
-        hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        n_d = float(hidden[..., d][batch.attention_mask.bool()].mean())
+        # A deep random model writes its own values into channel d: raise ``a`` until the channel
+        # is consistently positive at every position (mean > 4 standard deviations).
+        for a in (1.0, 4.0, 16.0, 64.0, 256.0):
+            emb[:, d] = a
+            hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            values = hidden[..., d][real]
+            n_d, spread = float(values.mean()), float(values.std())
+            if n_d > 0.5 and n_d > 4 * spread:
+                break
+        else:
+            raise RuntimeError(f"could not make hidden channel {d} constant (mean {n_d:.3f}, std {spread:.3f})")
         p = 1.0 / mean_length
         target = math.log(p / (1 - p) * (vocab - 1))  # logit gap giving P(EOS) = p against a flat rest
         b = target / n_d
         head[eos, d] += b
-    return {"channel": d, "a": a, "b": round(b, 4), "n_d": round(n_d, 3), "target_logit_gap": round(target, 3),
-            "target_mean_length": mean_length}
+    return {"channel": d, "a": a, "b": round(b, 4), "n_d": round(n_d, 3), "n_d_std": round(spread, 3),
+            "target_logit_gap": round(target, 3), "target_mean_length": mean_length}
 
 
 @dataclass
@@ -223,6 +232,7 @@ class Assets:
     tokenizer: str
     num_parameters: int
     matmul_parameters: int  # parameters used in matmuls (the input embedding of an untied model excluded)
+    head_parameters: int  # the LM head (vocabulary projection), shared with the embedding when tied
     eos_bias: dict
 
     def to_dict(self) -> dict:
@@ -251,7 +261,7 @@ def build_assets(size: Size, root: Path, num_prompts: int = 64) -> Assets:
     matmul = n - (emb.numel() if head.data_ptr() != emb.data_ptr() else 0)
     print(f"[assets] {size.name}: {n / 1e6:.2f}M parameters, {tok_desc}; EOS bias {eos_bias}; "
           f"built in {time.perf_counter() - started:.1f}s", flush=True)
-    return Assets(size.name, str(model_dir), str(prompts_file), tok_desc, n, matmul, eos_bias)
+    return Assets(size.name, str(model_dir), str(prompts_file), tok_desc, n, matmul, head.numel(), eos_bias)
 
 
 # --------------------------------------------------------------------------- machine limits

@@ -53,8 +53,11 @@ def rss_mb() -> float:
 class Recorder:
     """Accumulates phase times and token counts between two step boundaries."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, seed: int) -> None:
         self.cuda = device == "cuda"
+        self.seed = seed
+        self.generation_calls = 0
+        self.last_cpu = None
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[dict] = []
         self.last_boundary = None
@@ -72,26 +75,49 @@ class Recorder:
             yield
         finally:
             self.current[name] += self.now() - start
+            self.note_rss(name)
 
     def add(self, name: str, value: float) -> None:
         self.current[name] += value
+        if name in PHASES:
+            self.note_rss(name)
+
+    def note_rss(self, phase: str) -> None:
+        """Resident memory right after a phase (max over the step): shows which phase grows it."""
+        key = f"rss_after_{phase}_mb"
+        self.current[key] = max(self.current.get(key, 0.0), rss_mb())
 
     def train_start(self) -> None:
         self.rss_train_start = rss_mb()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.last_boundary = self.now()
+        self.last_cpu = time.process_time()
 
     def step_end(self, extra: dict | None = None) -> None:
-        t = self.now()
+        t, cpu = self.now(), time.process_time()
         step = {"step_time": t - self.last_boundary, **{p: self.current.get(p, 0.0) for p in PHASES}}
+        # CPU seconds of this process per wall second: well below the thread count when other
+        # processes take the cores (a contended step); kept to judge the numbers.
+        step["cpu_util"] = (cpu - self.last_cpu) / step["step_time"]
         for key in ("prompt_tokens", "completion_tokens", "rows", "truncated", "max_completion"):
             step[key] = self.current.get(key, 0.0)
+        step.update({k: v for k, v in self.current.items() if k.startswith("rss_after_")})
         step["other"] = step["step_time"] - sum(step[p] for p in PHASES)
         step.update(extra or {})
         self.steps.append(step)
+        print(f"[step {len(self.steps)}] " + ", ".join(
+            f"{k} {v:.3f}" for k, v in step.items() if k in ("step_time", *PHASES, "other", "cpu_util"))
+            + "; RSS MB after " + ", ".join(f"{k[10:-3]} {v:.0f}" for k, v in step.items() if k.startswith("rss_after_")),
+            flush=True)
         self.current = defaultdict(float)
-        self.last_boundary = t
+        self.last_boundary, self.last_cpu = t, cpu
+
+    def reseed_for_generation(self) -> None:
+        """Seed the global RNG identically on both sides before each generation call, so that both
+        trainers sample the same completions from the same prompts and (nearly) the same weights."""
+        torch.manual_seed(self.seed + 7919 * self.generation_calls)
+        self.generation_calls += 1
 
     def count_tokens(self, prompt_lengths, completion_lengths, truncated) -> None:
         self.add("prompt_tokens", float(sum(prompt_lengths)))
@@ -102,7 +128,9 @@ class Recorder:
 
 
 # ------------------------------------------------------------------------------------ ours
-def run_ours(spec: dict, rec: Recorder) -> dict:
+def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
+    """Our trainer with its defaults; ``plain``: with ``ForwardOptions.plain()`` (the padded
+    full-logits forward the speedups are checked against), to measure what they bring."""
     import lightning.pytorch as pl
 
     from grpo_lightning.data import RolloutDataModule
@@ -133,16 +161,34 @@ def run_ours(spec: dict, rec: Recorder) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             rec.add("optimizer", rec.now() - self._opt)
-            metrics = {f"logged_{k}": float(v) for k, v in trainer.callback_metrics.items() if k in ("loss", "reward")}
-            rec.step_end(metrics)
+            rec.step_end()
+
+        # The module logs a step's loss/reward in its own on_train_batch_end, after the callbacks':
+        # pick them up at the next step's start (or at the end) for the step just finished.
+        def _logged(self, trainer):
+            if rec.steps:
+                rec.steps[-1].update({f"logged_{k}": float(v) for k, v in trainer.callback_metrics.items()
+                                      if k in ("loss", "reward")})
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._logged(trainer)
+
+        def on_train_end(self, trainer, pl_module):
+            self._logged(trainer)
 
     pl.seed_everything(spec["seed"], verbose=False)
     cuda = spec["device"] == "cuda"
     from grpo_lightning.losses import get_loss
 
+    extra = {}
+    if plain:
+        from grpo_lightning.module.forward import ForwardOptions
+
+        extra["forward"] = ForwardOptions.plain()
     module = TimedGRPOModule(
         spec["model_dir"], loss=get_loss(spec["loss_type"], beta=spec["beta"]), learning_rate=spec["learning_rate"],
         lr_scheduler_type="linear", gradient_checkpointing=spec["gradient_checkpointing"], save_final_model=False,
+        **extra,
     )
     datamodule = RolloutDataModule(
         spec["prompts_file"], reward_funcs=[bench_assets.first_token_parity_reward],
@@ -153,6 +199,7 @@ def run_ours(spec: dict, rec: Recorder) -> dict:
     eos = module.tokenizer.eos_token_id
 
     def timed_generate(prompts, num_generations, params):
+        rec.reseed_for_generation()
         with rec.phase("generation"):
             rollouts = sampler_generate(prompts, num_generations, params)
         rec.count_tokens([len(r.prompt_ids) for r in rollouts], [len(r.completion_ids) for r in rollouts],
@@ -176,6 +223,7 @@ def run_ours(spec: dict, rec: Recorder) -> dict:
     trainer.fit(module, datamodule)
     optimizer = trainer.optimizers[0]
     return {
+        "forward_options": repr(getattr(module, "forward_options", None)),
         "param_dtype": str(next(module.policy.parameters()).dtype),
         "optimizer": f"{type(optimizer).__name__}({', '.join(f'{k}={optimizer.defaults.get(k)}' for k in ('foreach', 'fused'))})",
         "gradient_checkpointing": bool(getattr(module.policy, "is_gradient_checkpointing", None)),
@@ -194,6 +242,7 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate_single_turn(self, *args, **kwargs):
+            rec.reseed_for_generation()
             with rec.phase("generation"):
                 return super()._generate_single_turn(*args, **kwargs)
 
@@ -288,15 +337,18 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=("ours", "trl"), required=True)
+    parser.add_argument("--impl", choices=("ours", "ours_plain", "trl"), required=True)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
     spec = json.loads(Path(cli.spec).read_text())
     started = time.perf_counter()
     probe = bench_assets.matmul_gflops(spec["device"], n=2048, dtype="float32", repeats=3)
-    rec = Recorder(spec["device"])
-    info = (run_ours if cli.impl == "ours" else run_trl)(spec, rec)
+    rec = Recorder(spec["device"], spec["seed"])
+    if cli.impl == "trl":
+        info = run_trl(spec, rec)
+    else:
+        info = run_ours(spec, rec, plain=cli.impl == "ours_plain")
     result = {
         "impl": cli.impl,
         "size": spec["size"],

@@ -6,17 +6,40 @@ import statistics
 
 from bench_child import PHASES
 
+LABELS = {"ours": "ours", "ours_plain": "ours, plain forward", "trl": "TRL"}
 SPLIT = ("generation", "reward", "logprob", "fwd+bwd", "optimizer", "other")
 
 
-def summarize_run(run: dict, warmup: int, matmul_params: int, peak_gflops: float) -> dict:
+# A CPU step whose process got less than this share of its threads' time (CPU-s per wall-s /
+# threads) ran while other processes held the cores: it is left out of the figures when at least
+# one step of the run was not contended (both trainers alike; the count is reported).
+CONTENDED_BELOW = 0.7
+
+
+def is_clean(step: dict, run: dict, device: str) -> bool:
+    return device != "cpu" or step.get("cpu_util", 99) >= CONTENDED_BELOW * run["torch_threads"]
+
+
+def train_flops(step: dict, params: dict) -> float:
+    """FLOPs a GRPO training pass needs: 6 x (decoder parameters x all tokens + LM-head parameters
+    x completion tokens). The LM head is only needed where a completion token is predicted; the
+    plain 6·N·T (every position through the head) is kept as ``train_mfu_6nt``."""
+    return 6 * (params["body"] * (step["prompt_tokens"] + step["completion_tokens"])
+                + params["head"] * step["completion_tokens"])
+
+
+def summarize_run(run: dict, warmup: int, params: dict, peak_gflops: float, device: str = "cpu") -> dict:
     """Per-run figures over the measured steps (the first ``warmup`` steps are dropped).
 
     The machine is shared, so a step can be slowed by other work: headline figures are medians
     over steps (tokens/s is the median of per-step tokens/s; the plain total-tokens/total-time
     figure is kept as ``tokens_per_s_total``). The split is the per-phase median over steps.
     """
-    steps = run["steps"][warmup:]
+    measured = run["steps"][warmup:]
+    steps = measured
+    if device == "cpu":
+        clean = [s for s in measured if is_clean(s, run, device)]
+        steps = clean or measured
     med = statistics.median
     total = sum(s["step_time"] for s in steps)
     prompt = sum(s["prompt_tokens"] for s in steps)
@@ -27,7 +50,10 @@ def summarize_run(run: dict, warmup: int, matmul_params: int, peak_gflops: float
     split["fwd+bwd"] = med(s["forward"] + s["backward"] for s in steps)
     step_tokens = [s["prompt_tokens"] + s["completion_tokens"] for s in steps]
     return {
-        "measured_steps": len(steps),
+        "measured_steps": len(measured),
+        "contended_steps_dropped": len(measured) - len(steps),
+        "all_steps_contended": device == "cpu" and len(steps) == len(measured) and any(
+            s.get("cpu_util", 99) < CONTENDED_BELOW * run["torch_threads"] for s in measured),
         "median_step_s": med(s["step_time"] for s in steps),
         "tokens_per_s": med(t / s["step_time"] for t, s in zip(step_tokens, steps)),
         "tokens_per_s_total": tokens / total,
@@ -40,9 +66,12 @@ def summarize_run(run: dict, warmup: int, matmul_params: int, peak_gflops: float
         "split_detail_s": {k: split[k] for k in ("forward", "backward")},
         "generation_tokens_per_s": med(s["completion_tokens"] / s["generation"] for s in steps if s["generation"]),
         "train_tokens_per_s": med(t / (s["forward"] + s["backward"]) for t, s in zip(step_tokens, steps)),
-        # Model FLOPs utilisation of the training phase: 6 * N * tokens over the forward+backward time.
-        "train_mfu": med(6 * matmul_params * t / (s["forward"] + s["backward"]) for t, s in zip(step_tokens, steps))
+        # Model FLOPs utilisation of the training phase: the FLOPs the pass needs over the
+        # forward+backward time, as a fraction of the dense matmul peak.
+        "train_mfu": med(train_flops(s, params) / (s["forward"] + s["backward"]) for s in steps) / (peak_gflops * 1e9),
+        "train_mfu_6nt": med(6 * params["matmul"] * t / (s["forward"] + s["backward"]) for t, s in zip(step_tokens, steps))
         / (peak_gflops * 1e9),
+        "cpu_util": med(s.get("cpu_util", float("nan")) for s in steps),
         "peak_rss_mb": run["peak_rss_mb"],
         "rss_train_start_mb": run["rss_train_start_mb"],
         "peak_gpu_allocated_mb": run.get("peak_gpu_allocated_mb"),
@@ -57,7 +86,10 @@ def combine(summaries: list[dict]) -> dict:
     med = lambda key: statistics.median(s[key] for s in summaries)  # noqa: E731
     out = {k: med(k) for k in ("median_step_s", "tokens_per_s", "tokens_per_step", "mean_prompt_len",
                                "mean_completion_len", "truncated_frac", "generation_tokens_per_s",
-                               "train_tokens_per_s", "train_mfu", "peak_rss_mb", "rss_train_start_mb")}
+                               "train_tokens_per_s", "train_mfu", "peak_rss_mb", "rss_train_start_mb",
+                               "cpu_util", "tokens_per_s_total")}
+    out["contended_steps_dropped"] = sum(s["contended_steps_dropped"] for s in summaries)
+    out["runs_all_steps_contended"] = sum(bool(s["all_steps_contended"]) for s in summaries)
     out["split_s"] = {k: statistics.median(s["split_s"][k] for s in summaries) for k in SPLIT}
     out["step_s_range"] = [min(s["median_step_s"] for s in summaries), max(s["median_step_s"] for s in summaries)]
     out["tokens_per_s_range"] = [min(s["tokens_per_s"] for s in summaries), max(s["tokens_per_s"] for s in summaries)]
@@ -67,15 +99,32 @@ def combine(summaries: list[dict]) -> dict:
     return out
 
 
-def ratios(ours: list[dict], trl: list[dict]) -> dict:
-    """ours/TRL: of the medians, and per alternating pair (repeat r of each)."""
+def ratios(ours: list[dict], trl: list[dict], ours_runs: list[dict], trl_runs: list[dict], warmup: int,
+           device: str) -> dict:
+    """ours/TRL. Headline ``tokens_per_s``: paired by step. Every run draws the same prompts and
+    (re-seeded) the same completions at step k, so step k is the same work on both sides: for each
+    measured step k, the median over runs of each trainer's tokens/s at step k (contended CPU steps
+    left out), ratio ours/TRL; then the median over k. Also: the ratio of the per-trainer medians."""
     def of(key):
         a, b = statistics.median(s[key] for s in ours), statistics.median(s[key] for s in trl)
         return a / b if b else float("nan")
 
-    pairs = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]
+    def at(runs, k):
+        rates = [r["steps"][k]["prompt_tokens"] + r["steps"][k]["completion_tokens"] for r in runs]
+        rates = [t / r["steps"][k]["step_time"] for t, r in zip(rates, runs) if is_clean(r["steps"][k], r, device)]
+        return statistics.median(rates) if rates else None
+
+    steps = min(len(r["steps"]) for r in ours_runs + trl_runs)
+    per_step = []
+    for k in range(warmup, steps):
+        a, b = at(ours_runs, k), at(trl_runs, k)
+        if a is not None and b is not None:
+            per_step.append(a / b)
+    pairs = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]  # repeat r with repeat r
     return {
-        "tokens_per_s": of("tokens_per_s"),
+        "tokens_per_s": statistics.median(per_step) if per_step else of("tokens_per_s"),
+        "tokens_per_s_by_step": per_step,
+        "tokens_per_s_of_medians": of("tokens_per_s"),
         "median_step_s": of("median_step_s"),
         "peak_rss_mb": of("peak_rss_mb"),
         "tokens_per_s_pairs": pairs,
@@ -106,13 +155,16 @@ def markdown(report: dict) -> str:
         f"Dense {report['peak_dtype']} matmul ({report['peak_n']}²): {_f(report['peak_gflops'], 0)} GFLOP/s "
         f"(best of the probes at start/end: {', '.join(_f(x, 0) for x in report['peak_probes'])}); "
         "each run's own probe is in the JSON.",
+        *(["", f"**Note:** {report['note']}"] if report.get("note") else []),
         "",
         "Figures are medians over the repetitions (alternating ours/TRL, one process per run); a step is one "
         "optimizer step (generation + scoring + training), the first steps of each run are warm-up and excluded. "
         "tokens/s = (prompt + completion tokens of a step) / step wall time, median over the measured steps "
         "(the total-tokens/total-time figure is in the JSON). Split = median seconds per step in each phase. "
-        "Train MFU = 6·N·tokens / (forward+backward time × the matmul peak above), N = parameters used in "
-        "matmuls. gen tok/s = completion tokens / generation time.",
+        "Train MFU = FLOPs needed / (forward+backward time × the matmul peak above), FLOPs needed = "
+        "6 × (decoder parameters × all tokens + LM-head parameters × completion tokens) (the plain 6·N·T "
+        "is in the JSON). gen tok/s = completion tokens / generation time. ours/TRL tokens/s is paired by "
+        "step: both trainers see the same prompts and the same sampled completions at each step.",
         "",
     ]
     for name, size in report["sizes"].items():
@@ -138,14 +190,15 @@ def markdown(report: dict) -> str:
             "(at start) | gen tok/s | train MFU | completion len (trunc.) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for impl in ("ours", "trl"):
+        impls = [i for i in ("ours", "ours_plain", "trl") if i in size["combined"]]
+        for impl in impls:
             c = size["combined"][impl]
             sp = c["split_s"]
             rss = f"{_f(c['peak_rss_mb'], 0)} ({_f(c['rss_train_start_mb'], 0)})"
             if c.get("peak_gpu_allocated_mb"):
                 rss += f"; GPU {_f(c['peak_gpu_allocated_mb'], 0)}"
             lines.append(
-                f"| {'ours' if impl == 'ours' else 'TRL'} | {_f(c['median_step_s'], 3)} "
+                f"| {LABELS[impl]} | {_f(c['median_step_s'], 3)} "
                 f"({_f(c['step_s_range'][0], 3)}–{_f(c['step_s_range'][1], 3)}) | {_f(c['tokens_per_s'], 0)} | "
                 + " | ".join(_f(sp[k], 3) for k in SPLIT)
                 + f" | {rss} | {_f(c['generation_tokens_per_s'], 0)} | {100 * c['train_mfu']:.1f}% | "
@@ -153,12 +206,28 @@ def markdown(report: dict) -> str:
             )
         r = size["ratios"]
         gpu = f"; GPU memory {r['peak_gpu_allocated_mb']:.2f}" if "peak_gpu_allocated_mb" in r else ""
+        lines.append(f"| **ours/TRL** | **{r['median_step_s']:.2f}** | **{r['tokens_per_s']:.2f}** | | | | | | | "
+                     f"**{r['peak_rss_mb']:.2f}**{gpu} | | | |")
+        if size.get("ratios_plain"):
+            rp = size["ratios_plain"]
+            gpu = f"; GPU memory {rp['peak_gpu_allocated_mb']:.2f}" if "peak_gpu_allocated_mb" in rp else ""
+            lines.append(f"| ours (plain forward)/TRL | {rp['median_step_s']:.2f} | {rp['tokens_per_s']:.2f} | | | | | | | "
+                         f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
         lines += [
-            f"| **ours/TRL** | **{r['median_step_s']:.2f}** | **{r['tokens_per_s']:.2f}** | | | | | | | "
-            f"**{r['peak_rss_mb']:.2f}**{gpu} | | | |",
             "",
-            f"Per-pair tokens/s ratios (ours/TRL, repeat by repeat): "
-            f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s_pairs'])}.",
+            f"ours/TRL tokens/s step by step (the same prompts and completions on both sides; median = the "
+            f"ratio above): {', '.join(f'{x:.2f}' for x in r['tokens_per_s_by_step'])}; ratio of the medians "
+            f"{r['tokens_per_s_of_medians']:.2f}; repeat by repeat: "
+            f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s_pairs'])}. Total tokens / total time: ours "
+            f"{_f(size['combined']['ours']['tokens_per_s_total'], 0)}, TRL {_f(size['combined']['trl']['tokens_per_s_total'], 0)}."
+            + ("" if report["device"] != "cpu" else
+               f" Process CPU-s per wall-s (median step; {report['machine']['torch_threads']} = all threads busy, "
+               f"lower = the cores were shared): ours {size['combined']['ours']['cpu_util']:.2f}, "
+               f"TRL {size['combined']['trl']['cpu_util']:.2f}. Contended steps left out (CPU-s/wall-s below "
+               f"{CONTENDED_BELOW:.0%} of the threads): ours {size['combined']['ours']['contended_steps_dropped']}, "
+               f"TRL {size['combined']['trl']['contended_steps_dropped']}; runs left out because every step was "
+               f"contended: ours {size['combined']['ours'].get('runs_left_out', 0)}, "
+               f"TRL {size['combined']['trl'].get('runs_left_out', 0)}."),
             "",
         ]
     if report.get("targets"):

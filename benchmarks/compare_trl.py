@@ -13,7 +13,9 @@ same seeded prompt order), reward function, num_generations, per-device batch (=
 batch = one optimizer step, no accumulation), max_completion_length, temperature 1, no top-k/top-p,
 precision (fp32 on CPU; bf16 autocast over fp32 weights on CUDA), gradient checkpointing, loss
 type and beta, learning rate and linear schedule, AdamW without weight decay, gradient clipping at
-1.0, seed, number of optimizer steps. Output: a Markdown table (printed and written to
+1.0, seed, number of optimizer steps. The global RNG is re-seeded identically before each
+generation call, so both trainers sample the same completions at step k and ours/TRL is compared
+step by step at equal work (docs/benchmarks.md). Output: a Markdown table (printed and written to
 benchmarks/results/<device>.md) and the raw numbers (benchmarks/results/<device>.json).
 """
 
@@ -107,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=None, help="runs per trainer (default: per size, 3 tiny / 2 larger)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="override the size's warm-up steps")
     parser.add_argument("--measured-steps", type=int, default=None, help="override the size's measured steps")
-    parser.add_argument("--impls", default="ours,trl", help="which trainers to run (ours,trl)")
+    parser.add_argument("--impls", default="ours,trl",
+                        help="trainers to run, alternating: ours, trl, ours_plain (ours with ForwardOptions.plain(): "
+                             "the padded full-logits forward, to measure what the forward speedups bring)")
     parser.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
                         help="both trainers (default on: the default of both)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model, TRL's default)")
@@ -117,7 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out-dir", default=str(HERE / "results"))
     parser.add_argument("--tag", default=None, help="output file stem (default: the device name)")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per child run")
+    parser.add_argument("--report-only", metavar="JSON", default=None,
+                        help="re-make the tables from a JSON this script wrote (no runs)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        report = json.loads(Path(args.report_only).read_text())
+        return finish(report, Path(args.out_dir), args.tag or Path(args.report_only).stem)
 
     sizes = (args.sizes or ("qwen0.5b" if args.device == "cuda" else "tiny,qwen-42m")).split(",")
     impls = args.impls.split(",")
@@ -171,27 +180,55 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 result = json.loads((run_dir / "result.json").read_text())
                 runs[impl].append(result)
-                s = bench_report.summarize_run(result, warmup, assets["matmul_parameters"], probes[0])
+                s = bench_report.summarize_run(result, warmup, param_counts(assets), probes[0], args.device)
                 print(f"[bench] {name} {impl:4s} repeat {r}: median step {s['median_step_s']:.3f}s, "
                       f"{s['tokens_per_s']:.0f} tokens/s, completion len {s['mean_completion_len']:.1f}, "
-                      f"peak RSS {s['peak_rss_mb']:.0f} MB, matmul probe {result['matmul_probe_gflops']:.0f} GFLOP/s "
+                      f"peak RSS {s['peak_rss_mb']:.0f} MB, CPU util {s['cpu_util']:.2f}, matmul probe {result['matmul_probe_gflops']:.0f} GFLOP/s "
                       f"(process {time.perf_counter() - t:.0f}s)", flush=True)
         report["sizes"][name] = {"description": size.description, "settings": settings, "assets": assets,
                                  "repeats": repeats, "runs": runs, "errors": errors, "size": asdict(size)}
     probes.append(matmul_gflops(args.device, n=peak_n, dtype=peak_dtype))
     machine["loadavg_end"] = _loadavg()
-    peak = max(probes)
-    report.update(peak_gflops=peak, peak_probes=probes, total_wall_s=time.perf_counter() - started)
+    report.update(peak_gflops=max(probes), peak_probes=probes, total_wall_s=time.perf_counter() - started,
+                  run_logs=str(work))
+    return finish(report, Path(args.out_dir), args.tag or args.device)
+
+
+def param_counts(assets: dict) -> dict:
+    """Decoder (``body``) and LM-head (``head``) parameter counts, and all matmul parameters."""
+    head = assets.get("head_parameters")
+    if head is None:  # a JSON from before head_parameters was recorded: read the saved config
+        cfg = json.loads((Path(assets["model_dir"]) / "config.json").read_text())
+        head = cfg["vocab_size"] * cfg["hidden_size"]
+    matmul = assets["matmul_parameters"]
+    return {"body": matmul - head, "head": head, "matmul": matmul}
+
+
+def finish(report: dict, out_dir: Path, stem: str) -> dict:
+    """Summaries, ratios and targets from the raw runs; writes ``<stem>.md`` and ``<stem>.json``."""
+    device, peak = report["device"], report["peak_gflops"]
     targets = []
     for name, size in report["sizes"].items():
         st = size["settings"]
-        summaries = {impl: [bench_report.summarize_run(run, st["warmup_steps"], size["assets"]["matmul_parameters"], peak)
-                            for run in runs] for impl, runs in size["runs"].items() if runs}
+        params = param_counts(size["assets"])
+        summaries = {impl: [bench_report.summarize_run(run, st["warmup_steps"], params, peak, device) for run in runs]
+                     for impl, runs in size["runs"].items() if runs}
         size["summaries"] = summaries
-        size["combined"] = {impl: bench_report.combine(s) for impl, s in summaries.items()}
+        # A run whose every step was contended is left out when the same trainer has a clean run.
+        usable = {impl: [s for s in runs if not s["all_steps_contended"]] or runs for impl, runs in summaries.items()}
+        size["combined"] = {impl: bench_report.combine(s) for impl, s in usable.items()}
+        for impl, runs in usable.items():
+            size["combined"][impl]["runs_left_out"] = len(summaries[impl]) - len(runs)
+        size.pop("ratios", None)
+        size.pop("ratios_plain", None)
+        runs = size["runs"]
+        if "ours_plain" in summaries and "trl" in summaries:
+            size["ratios_plain"] = bench_report.ratios(usable["ours_plain"], usable["trl"], runs["ours_plain"],
+                                                       runs["trl"], st["warmup_steps"], device)
         if "ours" in summaries and "trl" in summaries:
-            size["ratios"] = bench_report.ratios(summaries["ours"], summaries["trl"])
-            if name in TARGETS and args.device == "cpu":
+            size["ratios"] = bench_report.ratios(usable["ours"], usable["trl"], runs["ours"], runs["trl"],
+                                                 st["warmup_steps"], device)
+            if name in TARGETS and device == "cpu":
                 speed, rss = TARGETS[name]
                 got = size["ratios"]["tokens_per_s"]
                 targets.append({"size": name, "target": f"tokens/s ≥ {speed}× TRL", "measured": f"{got:.2f}×",
@@ -201,14 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
                     targets.append({"size": name, "target": "peak RSS ≤ TRL's", "measured": f"{got:.2f}×", "met": got <= rss})
     report["targets"] = targets
     text = bench_report.markdown(report)
-    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.tag or args.device
     (out_dir / f"{stem}.md").write_text(text + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
     print("\n" + text, flush=True)
-    print(f"[bench] wrote {out_dir / (stem + '.md')} and {stem}.json; total {report['total_wall_s']:.0f}s; "
-          f"run logs in {work}", flush=True)
+    print(f"[bench] wrote {out_dir / (stem + '.md')} and {stem}.json; total {report.get('total_wall_s', 0):.0f}s; "
+          f"run logs in {report.get('run_logs')}", flush=True)
     return report
 
 

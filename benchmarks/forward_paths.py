@@ -2,10 +2,12 @@
 
     python benchmarks/forward_paths.py                      # CPU, Qwen2 ~42M, 151,936-token vocabulary
     python benchmarks/forward_paths.py --vocab 32000 --hidden 512 --layers 6
-    python benchmarks/forward_paths.py --device cuda        # peak = torch.cuda.max_memory_allocated
+    python benchmarks/forward_paths.py --device cuda --autocast bf16 --hidden 896 --layers 24 \
+        --heads 14 --intermediate 4864 --rows 32 --max-completion 256   # Qwen2.5-0.5B architecture
 
 Two workloads, each path measured in its own subprocess (so one path's freed heap does not hide
-another's peak):
+another's peak), the runs repeated round-robin (``--rounds``) so that a shared machine's load
+drifts hit every path alike; the table gives the best and median step over all rounds:
 
 * ``train``: one training micro-step as ``GRPOModule.training_step`` runs it: completion log-probs
   with grad (entropies for logging, no grad), the dapo loss, backward; gradient checkpointing on
@@ -88,10 +90,13 @@ def child(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model = build_tiny_causal_lm(
-        args.vocab, architecture="qwen2", hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
-        num_kv_heads=2, intermediate_size=4 * args.hidden, tie_word_embeddings=True, max_position_embeddings=1024,
-    ).to(device)
+    with device:  # initialise on the device (fast on CUDA)
+        model = build_tiny_causal_lm(
+            args.vocab, architecture="qwen2", hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+            num_kv_heads=2, intermediate_size=args.intermediate or 4 * args.hidden, tie_word_embeddings=True,
+            max_position_embeddings=1024,
+        )
+    model.config._attn_implementation = args.attn
     model.config.use_cache = False
     if args.mode == "train":
         model.train()
@@ -105,7 +110,14 @@ def child(args: argparse.Namespace) -> dict:
     rows = args.rows if args.mode == "train" else args.rows * args.generation_chunks
     batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device) for i in range(args.steps + 1)]
 
+    autocast = args.autocast != "none"
+    autocast_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
+
     def step(batch):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast):
+            return _step(batch)
+
+    def _step(batch):
         prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = batch
         if args.mode == "train":
             logps, entropies = completion_logprobs(
@@ -146,8 +158,8 @@ def child(args: argparse.Namespace) -> dict:
         model.zero_grad(set_to_none=False)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
     tokens = sum(int(b[1].sum() + b[3].sum()) for b in batches[1:])
-    return dict(path=args.path, mode=args.mode, params=params, median_s=statistics.median(times),
-                tokens_per_s=tokens / sum(times), peak_mib=(peak - base) / 2**20)
+    return dict(path=args.path, mode=args.mode, params=params, times=times, tokens=tokens,
+                peak_mib=(peak - base) / 2**20)
 
 
 def main() -> None:
@@ -155,13 +167,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 x hidden)")
+    parser.add_argument("--attn", default="sdpa", help="attention implementation")
+    parser.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none")
     parser.add_argument("--rows", type=int, default=16, help="micro-batch rows (8 generations x 2 prompts)")
     parser.add_argument("--generation-chunks", type=int, default=2, help="micro-batches per generation batch (logprob)")
     parser.add_argument("--max-completion", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--token-budget", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of every run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--paths", default=",".join(PATHS))
@@ -176,36 +193,49 @@ def main() -> None:
         return
 
     results = []
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--json")]
+    passthrough, skip = [], False
+    for arg in sys.argv[1:]:  # everything but --json (and its value) goes to the children
+        if skip or arg.startswith("--json"):
+            skip = arg == "--json"
+            continue
+        passthrough.append(arg)
     runs = [(m, p) for m in args.modes.split(",") for p in args.paths.split(",")]
     if "logprob" in args.modes.split(",") and args.token_budget is None:
         budget = args.rows * (64 + args.max_completion) // 2
         runs.append(("logprob", f"chunked+packed@budget={budget}"))
-    for mode, path in runs:
-        extra = []
-        name = path
-        if "@budget=" in path:
-            path, budget = path.split("@budget=")
-            extra = ["--token-budget", budget]
-        cmd = [sys.executable, __file__, *passthrough, "--child", "--path", path, "--mode", mode, *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{mode}/{name} failed")
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        result["path"] = name
-        results.append(result)
-        print(f"{mode:8s} {name:32s} {result['median_s']:8.3f} s  {result['tokens_per_s']:9.0f} tok/s  "
-              f"peak +{result['peak_mib']:8.1f} MiB", flush=True)
+    collected: dict[tuple[str, str], list[dict]] = {}
+    for round_index in range(args.rounds):  # round-robin, so that load drifts hit every path alike
+        for mode, name in runs:
+            path, extra = name, []
+            if "@budget=" in name:
+                path, budget = name.split("@budget=")
+                extra = ["--token-budget", budget]
+            cmd = [sys.executable, __file__, *passthrough, "--child", "--path", path, "--mode", mode, *extra]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{mode}/{name} failed")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            collected.setdefault((mode, name), []).append(result)
+            print(f"round {round_index + 1} {mode:8s} {name:32s} median {statistics.median(result['times']):8.3f} s  "
+                  f"peak +{result['peak_mib']:8.1f} MiB", flush=True)
+    for (mode, name), parts in collected.items():
+        times = [t for part in parts for t in part["times"]]
+        tokens = sum(part["tokens"] for part in parts)
+        results.append(dict(mode=mode, path=name, params=parts[0]["params"], best_s=min(times),
+                            median_s=statistics.median(times), tokens_per_s=tokens / sum(times),
+                            peak_mib=max(part["peak_mib"] for part in parts)))
 
     params = results[0]["params"] if results else 0
     print(f"\nQwen2 {params / 1e6:.1f}M parameters (vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
           f"tied), {args.rows} rows/micro-batch, completions 8-{args.max_completion}, device {args.device}, "
-          f"{args.threads} threads, LM-head chunk {args.chunk_tokens} tokens\n")
-    print("| workload | path | median step (s) | tokens/s | peak memory rise (MiB) |")
-    print("|---|---|---:|---:|---:|")
+          f"{args.threads} threads, attention {args.attn}, autocast {args.autocast}, "
+          f"LM-head chunk {args.chunk_tokens} tokens\n")
+    print("| workload | path | best step (s) | median step (s) | tokens/s | peak memory rise (MiB) |")
+    print("|---|---|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['mode']} | {r['path']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} | {r['peak_mib']:.1f} |")
+        print(f"| {r['mode']} | {r['path']} | {r['best_s']:.3f} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} "
+              f"| {r['peak_mib']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=2))
 

@@ -10,7 +10,7 @@ Notation used in shape comments throughout the package:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, ContextManager, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -195,6 +195,13 @@ class PolicyHandle(Protocol):
     def needs_reference_logprobs(self) -> bool:
         """True when the loss has a KL term (beta != 0)."""
 
+    def precision_context(self) -> ContextManager[None]:
+        """The training forward's precision context (autocast under mixed precision).
+
+        Generation and the no-grad log-prob passes run under it, so they see the same policy
+        (the same numerics) as the training step: otherwise a bf16-trained policy would be
+        sampled in fp32 and the ratio of a replayed batch would not start at 1."""
+
 
 def missing_handle_members(obj: Any) -> list[str]:
     """Members of :class:`PolicyHandle` that ``obj`` lacks (empty when it is a valid handle).
@@ -202,7 +209,10 @@ def missing_handle_members(obj: Any) -> list[str]:
     ``isinstance(obj, PolicyHandle)`` is not used: from Python 3.12 it looks attributes up
     statically and so misses ``nn.Module`` submodules such as ``policy``.
     """
-    names = ("policy", "tokenizer", "device", "policy_version", "rollout_logprobs", "needs_reference_logprobs")
+    names = (
+        "policy", "tokenizer", "device", "policy_version", "rollout_logprobs", "needs_reference_logprobs",
+        "precision_context",
+    )
     return [name for name in names if not hasattr(obj, name)]
 
 

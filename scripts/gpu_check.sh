@@ -12,3 +12,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, lightning, transformers; print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 echo "== training loop on CUDA (bf16-mixed quickstart, every loss type with a reference model)"
 PYTHONUNBUFFERED=1 $PY scripts/gpu_smoke.py
+echo "== benchmark: ours vs TRL GRPOTrainer (Qwen2.5-0.5B architecture from a config, bf16, 256-token completions, HF generate)"
+# Writes cuda.md / cuda.json to $BENCH_OUT_DIR (default benchmarks/results). No mlflow/jsonargparse needed.
+if [ -z "${GRPO_SHARED_ASSETS:-}" ] && [ -d .gpu_wheels/assets/tokenizers/qwen2.5 ]; then
+  export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets  # the Qwen2.5 tokenizer copied by gpu_wheels.sh
+fi
+PYTHONUNBUFFERED=1 $PY benchmarks/compare_trl.py --device cuda --sizes qwen0.5b --out-dir "${BENCH_OUT_DIR:-benchmarks/results}" ${BENCH_ARGS:-}

@@ -6,7 +6,8 @@ import logging
 import math
 import os
 import time
-from typing import Any, Literal
+from contextlib import nullcontext
+from typing import Any, ContextManager, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -14,7 +15,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_only
 
 from grpo_lightning.losses import LossInputs, PolicyLoss, get_loss
-from grpo_lightning.module.forward import completion_logprobs
+from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.utils.checkpointing import set_activation_checkpointing
 from grpo_lightning.module.metrics import MetricsWindow, reduce_metric_values
 from grpo_lightning.module.model_loading import frozen_copy, load_policy, load_tokenizer, zero_dropout
@@ -56,6 +57,12 @@ class GRPOModule(pl.LightningModule):
         output_dir: Where the final policy is exported; defaults to ``trainer.default_root_dir``.
         save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
             ``<output_dir>/final_model`` when training ends.
+        forward: How completion log-probs are computed (training, old and reference passes):
+            ``chunked_lm_head`` (LM head on real completion tokens in chunks, no full-vocabulary
+            fp32 logits), ``padding_free`` (packed sequences, no compute on padding),
+            ``lm_head_chunk_tokens``, ``packed_row_tokens``, ``logprob_token_budget`` (no-grad
+            passes in token-sized groups). Same values and gradients as the plain path,
+            ``ForwardOptions.plain()``; see :class:`~grpo_lightning.module.forward.ForwardOptions`.
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class GRPOModule(pl.LightningModule):
         entropy_coef: float = 0.0,
         output_dir: str | None = None,
         save_final_model: bool = True,
+        forward: ForwardOptions = ForwardOptions(),
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
@@ -114,6 +122,7 @@ class GRPOModule(pl.LightningModule):
         self.entropy_coef = entropy_coef
         self.output_dir = output_dir
         self.save_final_model = save_final_model
+        self.forward_options = forward
 
         self._window = MetricsWindow()
         self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
@@ -136,6 +145,12 @@ class GRPOModule(pl.LightningModule):
     def needs_reference_logprobs(self) -> bool:
         return self.ref_policy is not None
 
+    def precision_context(self) -> ContextManager[None]:
+        """The trainer's forward precision context (autocast under ``*-mixed`` precision)."""
+        if self._trainer is None:
+            return nullcontext()
+        return self.trainer.precision_plugin.forward_context()
+
     @torch.no_grad()
     def rollout_logprobs(self, batch: RolloutBatch, *, reference: bool, chunk_size: int) -> torch.Tensor:
         """No-grad completion log-probs under the current policy or the reference, ``(B, T)``."""
@@ -145,15 +160,17 @@ class GRPOModule(pl.LightningModule):
         chunks = []
         for start in range(0, len(batch), chunk_size):
             rows = slice(start, start + chunk_size)
-            logps, _ = completion_logprobs(
-                model,
-                batch.prompt_ids[rows],
-                batch.prompt_mask[rows],
-                batch.completion_ids[rows],
-                batch.completion_mask[rows],
-                batch.temperature,
-                with_entropy=False,
-            )
+            with self.precision_context():  # the numerics of the training forward
+                logps, _ = completion_logprobs(
+                    model,
+                    batch.prompt_ids[rows],
+                    batch.prompt_mask[rows],
+                    batch.completion_ids[rows],
+                    batch.completion_mask[rows],
+                    batch.temperature,
+                    with_entropy=False,
+                    options=self.forward_options,
+                )
             chunks.append(logps)
         return torch.cat(chunks)
 
@@ -167,6 +184,7 @@ class GRPOModule(pl.LightningModule):
             batch.completion_mask,
             batch.temperature,
             entropy_requires_grad=self.entropy_coef != 0,
+            options=self.forward_options,
         )  # (B, T), (B, T)
         out = self.loss(
             LossInputs(
@@ -280,7 +298,10 @@ class GRPOModule(pl.LightningModule):
         if self.optimizer_factory is not None:
             optimizer = self.optimizer_factory(params)
         else:
-            optimizer = torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay)
+            # The fused kernel (TRL's default too) where the parameters' device supports it.
+            optimizer = torch.optim.AdamW(
+                params, lr=self.learning_rate, weight_decay=self.weight_decay, fused=_fused_adamw_supported(params)
+            )
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = self.warmup_steps or math.ceil(self.warmup_ratio * total_steps)
         scheduler = get_scheduler(
@@ -299,3 +320,11 @@ class GRPOModule(pl.LightningModule):
         self.policy.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
         log.info("Final policy saved to %s", directory)
+
+
+def _fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
+    """Fused AdamW needs floating-point parameters on a device with a fused kernel."""
+    if not params:
+        return False
+    device = params[0].device.type
+    return device in ("cuda", "cpu", "xpu", "mps") and all(p.is_floating_point() for p in params)

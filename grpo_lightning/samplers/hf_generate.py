@@ -97,7 +97,7 @@ class HFGenerateSampler(Sampler):
         for i, ids in enumerate(rows):
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids) :] = 1
-        with generation_mode(model):
+        with generation_mode(model), handle.precision_context():
             sequences = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),

@@ -21,6 +21,18 @@ def _reference(hidden, ids, head, temperature, logit_scale=None, softcap=None, e
     return lp[0], ent[0]
 
 
+class WrappedHead(torch.nn.Module):
+    """A head that is not a bare ``nn.Linear`` (as an adapter-wrapped head): takes the
+    checkpointed path."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x)
+
+
 def _setup(seed=0, tokens=11, hidden=8, vocab=37, bias=True):
     torch.manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=bias)
@@ -41,20 +53,22 @@ def _grads(head, h, out, weights):
     return [h.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if head.bias is not None else [])
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 3, 4, None])
+@pytest.mark.parametrize("head_kind", ["linear", "module"])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, None])
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("entropy_requires_grad", [False, True])
 @pytest.mark.parametrize(
     "transform", [dict(), dict(softcap=2.5), dict(logit_scale=0.3), dict(logit_scale=2.0, softcap=4.0)]
 )
-def test_matches_full_logits_values_and_gradients(chunk_tokens, recompute, entropy_requires_grad, transform):
+def test_matches_full_logits_values_and_gradients(head_kind, chunk_tokens, recompute, entropy_requires_grad, transform):
     head, h, ids = _setup()
+    used = head if head_kind == "linear" else WrappedHead(head)
     temperature = 0.7
     weights = torch.randn(2, h.shape[0])
     ref = _reference(h, ids, head, temperature, entropy_requires_grad=entropy_requires_grad, **transform)
     ref_grads = _grads(head, h, (ref[0], ref[1] if entropy_requires_grad else None), weights)
     out = chunked_head_logprobs(
-        h, ids, head, temperature, chunk_tokens=chunk_tokens, recompute=recompute,
+        h, ids, used, temperature, chunk_tokens=chunk_tokens, recompute=recompute,
         entropy_requires_grad=entropy_requires_grad, **transform,
     )
     assert out[0].dtype == torch.float32 and out[0].shape == ids.shape
@@ -64,6 +78,32 @@ def test_matches_full_logits_values_and_gradients(chunk_tokens, recompute, entro
     grads = _grads(head, h, (out[0], out[1] if entropy_requires_grad else None), weights)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_head_gets_no_gradient_and_hidden_still_does():
+    head, h, ids = _setup()
+    head.requires_grad_(False)
+    ref = _reference(h, ids, head, 0.8)
+    ref[0].sum().backward()
+    want, h.grad = h.grad.clone(), None
+    lp, _ = chunked_head_logprobs(h, ids, head, 0.8, chunk_tokens=3)
+    lp.sum().backward()
+    assert head.weight.grad is None
+    torch.testing.assert_close(h.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_autocast_matches_the_autocast_reference():
+    head, h, ids = _setup(vocab=50)
+    weights = torch.randn(2, h.shape[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _reference(h, ids, head, 0.9)
+        out = chunked_head_logprobs(h, ids, head, 0.9, chunk_tokens=4)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-5)
+    ref_grads = _grads(head, h, (ref[0], None), weights)
+    grads = _grads(head, h, (out[0], None), weights)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_no_grad_and_no_entropy():
@@ -99,19 +139,24 @@ def test_empty_and_bad_shapes():
         chunked_head_logprobs(h.unsqueeze(0), ids, head)
 
 
-def test_backward_does_not_keep_chunk_logits():
-    """With recompute, the graph saves no (n, V) tensor: only the hidden chunks and token ids."""
-    head, h, ids = _setup(tokens=12, vocab=1000)
+@pytest.mark.parametrize("head_kind", ["linear", "module"])
+def test_backward_keeps_no_vocabulary_sized_activation(head_kind):
+    """With recompute, autograd saves nothing of size V except the head's own parameters."""
+    vocab = 1000
+    head, h, ids = _setup(tokens=12, vocab=vocab)
+    used = head if head_kind == "linear" else WrappedHead(head)
+    params = {head.weight.data_ptr(), head.bias.data_ptr()}
     saved = []
 
     def pack(t):
-        saved.append(tuple(t.shape))
+        if t.data_ptr() not in params:
+            saved.append(tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunked_head_logprobs(h, ids, head, 0.8, chunk_tokens=4, recompute=True)
-    assert saved and all(1000 not in shape for shape in saved), saved
+        chunked_head_logprobs(h, ids, used, 0.8, chunk_tokens=4, recompute=True)
+    assert all(vocab not in shape for shape in saved), saved
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunked_head_logprobs(h, ids, head, 0.8, chunk_tokens=4, recompute=False)
-    assert any(1000 in shape for shape in saved)
+        chunked_head_logprobs(h, ids, used, 0.8, chunk_tokens=4, recompute=False)
+    assert any(vocab in shape for shape in saved)

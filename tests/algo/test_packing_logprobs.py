@@ -46,7 +46,9 @@ def _sequences(layout):
 def test_packed_layout_holds_each_real_sequence_once(row_tokens):
     pl, cl = [3, 5, 1, 4, 2], [4, 0, 6, 2, 5]
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(pl, cl)
-    layout = packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask, row_tokens=row_tokens, pad_token_id=0)
+    layout = packed_layout(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, row_tokens=row_tokens, pad_token_id=0
+    )
     assert layout is not None and layout.attention_mask is None
     expected = []
     for i in range(len(pl)):

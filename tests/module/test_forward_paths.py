@@ -45,13 +45,14 @@ def perturbed(model, seed=1, scale=0.15):
     return model
 
 
-def tiny(architecture="llama", tie=False, attn="sdpa"):
-    model = build_tiny_causal_lm(VOCAB, architecture=architecture, tie_word_embeddings=tie)
+def tiny(architecture="llama", tie=False, attn="sdpa", hidden_size=32):
+    model = build_tiny_causal_lm(VOCAB, architecture=architecture, tie_word_embeddings=tie, hidden_size=hidden_size)
     model.config._attn_implementation = attn
     return perturbed(model)
 
 
 _PLAIN = forward_module._plain_logprobs  # the reference, even where a test patches the module's name
+_PADDED = forward_module.padded_layout
 
 
 def run(model, batch, options=None, *, entropy_coef=0.1, loss="dapo", old_logps=None):
@@ -178,7 +179,8 @@ def test_token_budget_groups_by_tokens(monkeypatch):
 
     monkeypatch.setattr(forward_module, "_single_pass", spy)
     with torch.no_grad():
-        completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions(padding_free=False, logprob_token_budget=24))
+        options = ForwardOptions(padding_free=False, logprob_token_budget=24)
+        completion_logprobs(model, *batch[:4], TEMPERATURE, options=options)
     assert len(calls) > 1
     assert all(p[0] * (p[1] + c[1]) <= 24 or p[0] == 1 for p, c in calls)
     assert sum(p[0] for p, _ in calls) == 6
@@ -242,9 +244,6 @@ def test_unsupported_attention_keeps_chunked_head_on_padded_batch(monkeypatch, c
         got = run(model, batch, ForwardOptions())
     assert "Padding-free forward off" in caplog.text and layouts
     assert_same(got, want, batch[3])
-
-
-_PADDED = forward_module.padded_layout
 
 
 def test_completion_after_empty_prompt_uses_the_padded_batch(monkeypatch, caplog):
