@@ -157,6 +157,8 @@ class GRPOModule(pl.LightningModule):
         model = self.ref_policy if reference else self.policy
         if model is None:
             raise RuntimeError("Reference log-probs were requested but the loss has beta == 0.")
+        if self.forward_options.logprob_token_budget is not None:
+            chunk_size = len(batch)  # the forward groups rows by tokens itself
         chunks = []
         for start in range(0, len(batch), chunk_size):
             rows = slice(start, start + chunk_size)
@@ -217,7 +219,7 @@ class GRPOModule(pl.LightningModule):
         (the loss in evaluation form: on-policy, no accumulation)."""
         logps, entropies = completion_logprobs(
             self.policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-            batch.temperature,
+            batch.temperature, options=self.forward_options,
         )
         out = self.loss(
             LossInputs(
