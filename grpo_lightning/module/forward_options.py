@@ -1,0 +1,65 @@
+"""``ForwardOptions``: which log-prob forward path the module uses (see ``module/forward.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the policy/reference forward computes completion log-probs.
+
+    Args:
+        chunked_lm_head: Compute log-probs and entropies from the final hidden states, running the
+            LM head on the real completion tokens only, ``lm_head_chunk_tokens`` at a time, and
+            recompute each chunk's logits in backward (an analytic backward for ``nn.Linear``
+            heads): never holds ``(B, T, V)`` fp32 logits. Same values and gradients as the plain
+            path; peak memory of the head drops from ``O(B·T·V)`` to ``O(chunk·V)`` for one extra
+            head matmul per chunk in backward, which the fused backward's fewer passes over the
+            logits repay (measured faster than the plain path on CPU and GPU). ``False`` with
+            ``padding_free`` keeps every chunk's logits for backward (the plain memory profile).
+        lm_head_chunk_tokens: Tokens per LM-head chunk: the head's transient memory is about
+            three ``chunk × V`` fp32 buffers (1024 × 151,936 → ~1.9 GB).
+        padding_free: Pack the real tokens of every row end to end (position ids restart per
+            sequence, no attention mask) so that no compute goes to padding. Needs an attention
+            implementation that isolates packed sequences (``sdpa``, ``eager``, ``flex_attention``,
+            ``flash_attention_2/3``); falls back to the padded batch otherwise.
+        packed_row_tokens: For mask-based attention (``sdpa``/``eager``), sequences are packed
+            first-fit-decreasing into rows of at most ``max(packed_row_tokens, longest
+            sequence)`` tokens (``None``: the longest sequence), which keeps the attention cost
+            near the padded batch's. Varlen kernels (flash, flex) always take one packed row.
+        logprob_token_budget: When set, no-grad passes (old/reference log-probs) run in groups
+            of at most this many tokens (padded ``rows × width``, or real tokens when
+            ``padding_free``), longest rows first and trimmed of padding, instead of one group
+            of the rows given. ``None`` keeps the rows given.
+    """
+
+    chunked_lm_head: bool = True
+    lm_head_chunk_tokens: int = 1024
+    padding_free: bool = True
+    packed_row_tokens: int | None = None
+    logprob_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lm_head_chunk_tokens < 1:
+            raise ValueError(f"forward.lm_head_chunk_tokens={self.lm_head_chunk_tokens}: it must be >= 1.")
+        if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
+            raise ValueError(
+                f"forward.packed_row_tokens={self.packed_row_tokens}: use a positive token count or null."
+            )
+        if self.logprob_token_budget is not None and self.logprob_token_budget < 1:
+            raise ValueError(
+                f"forward.logprob_token_budget={self.logprob_token_budget}: use a positive token count or null."
+            )
+
+    @classmethod
+    def plain(cls) -> "ForwardOptions":
+        """The plain path: padded batch, full logits from the model (TRL's forward)."""
+        return cls(chunked_lm_head=False, padding_free=False)
+
+
+# GRPOModule keeps its ``forward`` argument in the checkpoint's hyper-parameters; let
+# ``torch.load(weights_only=True)`` (Lightning's resume) rebuild it.
+torch.serialization.add_safe_globals([ForwardOptions])
