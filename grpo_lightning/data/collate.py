@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -69,6 +69,3 @@ def shuffle_and_split(
     size = num_rows // num_chunks
     return [select_rows(batch, order[i * size : (i + 1) * size].to(batch.advantages.device)) for i in range(num_chunks)]
 
-
-def tensor_fields(batch: RolloutBatch) -> list[str]:
-    return [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
