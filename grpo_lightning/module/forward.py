@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -242,23 +242,6 @@ def _optimized_logprobs(
     return logps, entropies
 
 
-def _single_pass(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    entropy_requires_grad: bool,
-    options: ForwardOptions,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
-    if options.chunked_lm_head or options.padding_free:
-        return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options)
-    return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
-
-
 def _token_budget_pass(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -271,6 +254,7 @@ def _token_budget_pass(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs in token-budget groups, longest rows first, scattered back to row order."""
     budget = int(options.logprob_token_budget)
+    per_group = replace(options, logprob_token_budget=None)
     prompt_lengths, completion_lengths = (prompt_mask != 0).sum(1), (completion_mask != 0).sum(1)
     trim = is_left_padded(prompt_mask) and is_right_padded(completion_mask)
     groups = token_budget_groups(prompt_lengths, completion_lengths, budget, packed=options.padding_free)
@@ -283,16 +267,15 @@ def _token_budget_pass(
         if trim:  # padding of this group only
             keep_prompt = min(max(int(prompt_lengths[rows].max()), 1), prompt_width)
             keep_completion = max(int(completion_lengths[rows].max()), 1)
-        group_logps, group_entropies = _single_pass(
+        group_logps, group_entropies = completion_logprobs(
             model,
             prompt_ids[rows, prompt_width - keep_prompt :],
             prompt_mask[rows, prompt_width - keep_prompt :],
             completion_ids[rows, :keep_completion],
             completion_mask[rows, :keep_completion],
             temperature,
-            with_entropy,
-            False,
-            options,
+            with_entropy=with_entropy,
+            options=per_group,
         )
         logps[rows, :keep_completion] = group_logps.float()
         if entropies is not None and group_entropies is not None:
@@ -334,14 +317,7 @@ def completion_logprobs(
         return _token_budget_pass(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, options
         )
-    return _single_pass(
-        model,
-        prompt_ids,
-        prompt_mask,
-        completion_ids,
-        completion_mask,
-        temperature,
-        with_entropy,
-        entropy_requires_grad,
-        options,
-    )
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    if options.chunked_lm_head or options.padding_free:
+        return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options)
+    return _plain_logprobs(*args, with_entropy, entropy_requires_grad)

@@ -114,18 +114,11 @@ class RegexFormatReward:
         return f"RegexFormatReward({self.pattern!r}, mode={self.mode!r}, name={self.__name__!r})"
 
 
-def regex_format_reward(
-    pattern: str,
-    flags: int | str | list[str] = "DOTALL",
-    mode: Literal["match", "fullmatch", "search"] = "match",
-    reward: float = 1.0,
-    penalty: float = 0.0,
-    name: str = "regex_format_reward",
-) -> RegexFormatReward:
+def regex_format_reward(pattern: str, **kwargs: Any) -> RegexFormatReward:
     r"""Factory of :class:`RegexFormatReward` (same arguments), for use from Python.
 
     Example:
         >>> regex_format_reward(r"^\d+$", name="digits_only")(["123", "12a"])
         [1.0, 0.0]
     """
-    return RegexFormatReward(pattern, flags, mode, reward, penalty, name)
+    return RegexFormatReward(pattern, **kwargs)

@@ -171,13 +171,13 @@ def test_token_budget_groups_by_tokens(monkeypatch):
     model = tiny("llama")
     batch = make_batch((6, 3, 1, 4, 2, 5), (7, 2, 0, 5, 1, 3))
     calls = []
-    original = forward_module._single_pass
+    original = forward_module._optimized_logprobs
 
     def spy(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *rest):
         calls.append((prompt_ids.shape, completion_ids.shape))
         return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *rest)
 
-    monkeypatch.setattr(forward_module, "_single_pass", spy)
+    monkeypatch.setattr(forward_module, "_optimized_logprobs", spy)
     with torch.no_grad():
         options = ForwardOptions(padding_free=False, logprob_token_budget=24)
         completion_logprobs(model, *batch[:4], TEMPERATURE, options=options)
