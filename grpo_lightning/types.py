@@ -147,6 +147,30 @@ class RolloutBatch:
         }
         return replace(self, **moved)
 
+    def select_rows(self, rows: torch.Tensor) -> "RolloutBatch":
+        """The rows ``rows`` (index tensor) of every per-row tensor, with the padding trimmed to
+        the longest kept prompt (left) and completion (right)."""
+        picked = {name: getattr(self, name)[rows] for name in _ROW_TENSORS if getattr(self, name) is not None}
+        prompt_width = int(picked["prompt_mask"].sum(1).max()) if len(rows) else 0
+        completion_width = max(int(picked["completion_mask"].sum(1).max()) if len(rows) else 0, 1)
+        for name in ("prompt_ids", "prompt_mask"):
+            picked[name] = picked[name][:, picked[name].shape[1] - prompt_width :]
+        for name in _COMPLETION_WIDTH_TENSORS:
+            if name in picked:
+                picked[name] = picked[name][:, :completion_width]
+        weights = picked.get("sampling_is_weights")
+        if weights is not None and weights.shape[1] > 1:
+            picked["sampling_is_weights"] = weights[:, :completion_width]
+        return replace(self, **picked)
+
+
+# Per-row tensors of a RolloutBatch, and those of them that span the completion width.
+_ROW_TENSORS = (
+    "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "policy_versions",
+    "tool_mask", "old_logps", "ref_logps", "sampling_logps", "sampling_is_weights",
+)  # fmt: skip
+_COMPLETION_WIDTH_TENSORS = ("completion_ids", "completion_mask", "tool_mask", "old_logps", "ref_logps", "sampling_logps")
+
 
 @dataclass
 class CompletionTable:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -31,32 +30,6 @@ def pad_sequences(
     return values, mask
 
 
-_ROW_TENSORS = (
-    "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "policy_versions",
-    "tool_mask", "old_logps", "ref_logps", "sampling_logps", "sampling_is_weights",
-)
-_COMPLETION_WIDTH_TENSORS = ("completion_ids", "completion_mask", "tool_mask", "old_logps", "ref_logps", "sampling_logps")
-
-
-def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
-    """The rows ``rows`` of every per-row tensor, padding trimmed to the longest kept row."""
-    picked = {
-        name: getattr(batch, name)[rows] for name in _ROW_TENSORS if getattr(batch, name) is not None
-    }
-    prompt_width = int(picked["prompt_mask"].sum(1).max()) if len(rows) else 0
-    completion_width = int(picked["completion_mask"].sum(1).max()) if len(rows) else 0
-    completion_width = max(completion_width, 1)
-    picked["prompt_ids"] = picked["prompt_ids"][:, picked["prompt_ids"].shape[1] - prompt_width :]
-    picked["prompt_mask"] = picked["prompt_mask"][:, picked["prompt_mask"].shape[1] - prompt_width :]
-    for name in _COMPLETION_WIDTH_TENSORS:
-        if name in picked:
-            picked[name] = picked[name][:, :completion_width]
-    weights = picked.get("sampling_is_weights")
-    if weights is not None and weights.shape[1] > 1:
-        picked["sampling_is_weights"] = weights[:, :completion_width]
-    return replace(batch, **picked)
-
-
 def shuffle_and_split(
     batch: RolloutBatch, num_chunks: int, generator: torch.Generator | None
 ) -> list[RolloutBatch]:
@@ -67,5 +40,5 @@ def shuffle_and_split(
         raise ValueError(f"{num_rows} rows cannot be split into {num_chunks} equal micro-batches.")
     order = torch.randperm(num_rows, generator=generator) if generator is not None else torch.arange(num_rows)
     size = num_rows // num_chunks
-    return [select_rows(batch, order[i * size : (i + 1) * size].to(batch.advantages.device)) for i in range(num_chunks)]
+    return [batch.select_rows(order[i * size : (i + 1) * size].to(batch.advantages.device)) for i in range(num_chunks)]
 

@@ -20,7 +20,8 @@ from grpo_lightning.losses.clipped import (
 )
 from grpo_lightning.losses.entropy_mask import top_entropy_mask
 from grpo_lightning.losses.functional import policy_loss
-from grpo_lightning.losses.records import LossInputs, LossOutput, LossState, TokenLoss
+from grpo_lightning.losses.metrics import merge_metrics
+from grpo_lightning.losses.records import LossInputs, LossOutput, LossState, MicroBatchTotals, TokenLoss
 from grpo_lightning.losses.registry import LOSSES, get_loss
 from grpo_lightning.losses.sapo import SAPOLoss
 from grpo_lightning.losses.vespo import VESPOLoss
@@ -37,12 +38,14 @@ __all__ = [
     "LossInputs",
     "LossOutput",
     "LossState",
+    "MicroBatchTotals",
     "PolicyLoss",
     "SAPOLoss",
     "TokenLoss",
     "VESPOLoss",
     "check_number",
     "get_loss",
+    "merge_metrics",
     "off_policy_mask",
     "policy_loss",
     "top_entropy_mask",

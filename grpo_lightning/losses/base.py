@@ -212,12 +212,14 @@ class PolicyLoss:
         if inputs.entropy_coef != 0.0:
             if inputs.entropies is None:
                 raise ValueError(f"entropy_coef={inputs.entropy_coef} needs per-token entropies.")
-            mean_entropy = (inputs.entropies * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
+            mean_entropy = (inputs.entropies * bonus_mask).sum() / _bonus_tokens(bonus_mask, inputs).clamp(min=1.0)
             loss = loss - inputs.entropy_coef * mean_entropy / accumulation
-            # A NaN value counts 0 (TRL takes a nanmean over ranks); no host sync here.
+            # A NaN value counts 0 (TRL takes a nanmean over ranks); no host sync here. A part of a
+            # micro-batch counts for its share of the rows, so that the parts add up to one value.
             detached = policy_loss.detach().float()
             valid = ~torch.isnan(detached)
-            metrics["policy_loss"] = MetricValue(torch.where(valid, detached, 0.0), valid.float())
+            share = 1.0 if inputs.totals is None else logps.shape[0] / inputs.totals.rows
+            metrics["policy_loss"] = MetricValue(torch.where(valid, detached, 0.0), valid.float() * share)
 
         if kl is not None:
             metrics["kl"] = mean_metric(kl, mask)
@@ -228,6 +230,20 @@ class PolicyLoss:
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({knobs})"
+
+
+def _bonus_tokens(bonus_mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """The entropy bonus normaliser: ``Σ m'`` of the whole micro-batch."""
+    if inputs.totals is None:
+        return bonus_mask.sum()
+    if inputs.totals.bonus_tokens is not None:
+        return inputs.totals.bonus_tokens.to(bonus_mask)
+    if inputs.entropy_mask is not None:
+        raise ValueError(
+            "LossInputs.totals.bonus_tokens is needed with an entropy_mask: build the totals with "
+            "MicroBatchTotals.of(mask, entropy_mask) over the whole micro-batch."
+        )
+    return inputs.totals.loss_tokens.to(bonus_mask)
 
 
 def off_policy_mask(

@@ -44,4 +44,6 @@ class CISPOLoss(PolicyLoss):
         return TokenLoss(values, {"cispo_clip_ratio": mean_metric(clipped, state.mask)})
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)
+        return global_token_mean(
+            per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes, inputs.batch_loss_tokens
+        )

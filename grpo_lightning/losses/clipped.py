@@ -69,7 +69,7 @@ class GRPOLoss(ClippedPolicyLoss):
     name = "grpo"
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return sequence_mean(per_token_loss, mask)
+        return sequence_mean(per_token_loss, mask, inputs.batch_rows)
 
 
 class BNPOLoss(ClippedPolicyLoss):
@@ -90,7 +90,7 @@ class BNPOLoss(ClippedPolicyLoss):
     name = "bnpo"
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return token_mean(per_token_loss, mask)
+        return token_mean(per_token_loss, mask, inputs.batch_loss_tokens)
 
 
 class DrGRPOLoss(ClippedPolicyLoss):
@@ -140,7 +140,7 @@ class DrGRPOLoss(ClippedPolicyLoss):
             )
         if length < 1:
             raise ValueError(f"max_completion_length={length}: it must be at least 1.")
-        return fixed_length_mean(per_token_loss, mask, length)
+        return fixed_length_mean(per_token_loss, mask, length, inputs.batch_rows)
 
 
 class DAPOLoss(ClippedPolicyLoss):
@@ -164,7 +164,9 @@ class DAPOLoss(ClippedPolicyLoss):
     divides_by_accumulation = False
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)
+        return global_token_mean(
+            per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes, inputs.batch_loss_tokens
+        )
 
 
 class LUSPOLoss(ClippedPolicyLoss):
@@ -186,4 +188,4 @@ class LUSPOLoss(ClippedPolicyLoss):
     name = "luspo"
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return sequence_sum_mean(per_token_loss, mask)
+        return sequence_sum_mean(per_token_loss, mask, inputs.batch_rows)

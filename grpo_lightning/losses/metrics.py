@@ -32,3 +32,29 @@ def sequence_extreme_metric(values: torch.Tensor, mask: torch.Tensor, reduce: st
     extreme = nanmin(per_sequence) if reduce == "min" else nanmax(per_sequence)
     valid = (~torch.isnan(per_sequence)).sum().float()
     return MetricValue(extreme, valid, reduce=reduce)  # type: ignore[arg-type]
+
+
+def merge_metrics(parts: list[dict[str, MetricValue]]) -> dict[str, MetricValue]:
+    """One micro-step's metrics from those of its parts (a micro-batch scored in pieces):
+    sums and counts add up, extremes take the extreme of the parts' (NaN = no value).
+
+    >>> a = {"m": MetricValue(torch.tensor(2.0), torch.tensor(1.0)),
+    ...      "hi": MetricValue(torch.tensor(float("nan")), torch.tensor(0.0), "max")}
+    >>> b = {"m": MetricValue(torch.tensor(4.0), torch.tensor(3.0)),
+    ...      "hi": MetricValue(torch.tensor(0.5), torch.tensor(1.0), "max")}
+    >>> merged = merge_metrics([a, b])
+    >>> merged["m"].local(), merged["hi"].local()
+    (1.5, 0.5)
+    """
+    merged: dict[str, MetricValue] = {}
+    for metrics in parts:
+        for name, value in metrics.items():
+            seen = merged.get(name)
+            if seen is None:
+                merged[name] = value
+            elif value.reduce == "mean":
+                merged[name] = MetricValue(seen.total + value.total, seen.count + value.count)
+            else:
+                pick = torch.fmin if value.reduce == "min" else torch.fmax  # NaN-ignoring
+                merged[name] = MetricValue(pick(seen.total, value.total), seen.count + value.count, value.reduce)
+    return merged

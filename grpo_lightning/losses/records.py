@@ -12,6 +12,38 @@ import torch
 from grpo_lightning.types import MetricValue
 
 
+@dataclass(frozen=True)
+class MicroBatchTotals:
+    """Counts of a whole micro-batch, for a loss computed on one part of it.
+
+    A token-budget training pass scores a micro-batch in parts (one forward+backward each); the
+    per-micro-batch normalisers (rows for grpo/sapo/luspo/dr_grpo, loss tokens for bnpo and the
+    entropy bonus) then use these counts instead of the part's, so that the parts' losses, and
+    their gradients, sum exactly to the micro-batch's.
+
+    Attributes:
+        rows: ``B`` of the whole micro-batch.
+        loss_tokens: ``Σ mask`` over the whole micro-batch, ``()`` float.
+        bonus_tokens: ``Σ mask·entropy_mask`` over the whole micro-batch (the entropy bonus
+            normaliser); ``None`` means ``loss_tokens`` (no top-entropy mask).
+
+    >>> totals = MicroBatchTotals.of(torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    >>> totals.rows, float(totals.loss_tokens)
+    (2, 3.0)
+    """
+
+    rows: int
+    loss_tokens: torch.Tensor
+    bonus_tokens: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, entropy_mask: torch.Tensor | None = None) -> "MicroBatchTotals":
+        """The counts of a micro-batch's ``(B, T)`` loss mask (and top-entropy mask)."""
+        mask = mask.float()
+        bonus = None if entropy_mask is None else (mask * entropy_mask.float()).sum()
+        return cls(rows=mask.shape[0], loss_tokens=mask.sum(), bonus_tokens=bonus)
+
+
 @dataclass
 class LossInputs:
     """Everything one micro-step's loss needs, as plain tensors.
@@ -39,6 +71,8 @@ class LossInputs:
             :func:`~grpo_lightning.losses.entropy_mask.top_entropy_mask`): multiplies the policy
             term (not the KL) and restricts the entropy bonus; the normalisers are unchanged, as
             in TRL. ``None`` disables it.
+        totals: Counts of the whole micro-batch when these inputs are one part of it (see
+            :class:`MicroBatchTotals`); ``None``: the rows given are the whole micro-batch.
     """
 
     logps: torch.Tensor
@@ -55,6 +89,17 @@ class LossInputs:
     gradient_accumulation_steps: int | float = 1
     entropy_coef: float = 0.0
     entropy_mask: torch.Tensor | None = None
+    totals: MicroBatchTotals | None = None
+
+    @property
+    def batch_rows(self) -> int | None:
+        """Rows of the whole micro-batch, or ``None`` for the rows given."""
+        return None if self.totals is None else self.totals.rows
+
+    @property
+    def batch_loss_tokens(self) -> torch.Tensor | None:
+        """Loss tokens of the whole micro-batch, or ``None`` for the tokens given."""
+        return None if self.totals is None else self.totals.loss_tokens
 
 
 @dataclass

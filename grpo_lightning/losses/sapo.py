@@ -61,4 +61,4 @@ class SAPOLoss(PolicyLoss):
         return TokenLoss(-gate * advantages)
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return sequence_mean(per_token_loss, mask)
+        return sequence_mean(per_token_loss, mask, inputs.batch_rows)

@@ -121,4 +121,6 @@ class VESPOLoss(PolicyLoss):
         return TokenLoss(values, {"vespo/phi_seq_mean": mean_metric(phi, state.mask)})
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        return global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)
+        return global_token_mean(
+            per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes, inputs.batch_loss_tokens
+        )

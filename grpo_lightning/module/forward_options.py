@@ -30,17 +30,31 @@ class ForwardOptions:
             first-fit-decreasing into rows of at most ``max(packed_row_tokens, longest
             sequence)`` tokens (``None``: the longest sequence), which keeps the attention cost
             near the padded batch's. Varlen kernels (flash, flex) always take one packed row.
+        share_prompt_prefix: With ``padding_free`` and mask-based attention (``sdpa``/``eager``),
+            rows whose real prompt tokens are identical (GRPO's ``num_generations`` samples of a
+            prompt in one micro-batch) share one copy of the prompt in the packed row, followed by
+            each of their completions, isolated by a 4-D attention mask: each prompt is forwarded
+            once instead of once per row. Same values and gradients as the plain path. Only used
+            when a prompt repeats in the batch; varlen kernels (flash, flex), and models with a
+            sliding window shorter than a packed row, keep the unshared packing.
         logprob_token_budget: When set, no-grad passes (old/reference log-probs) run in groups
             of at most this many tokens (padded ``rows × width``, or real tokens when
             ``padding_free``), longest rows first and trimmed of padding, instead of one group
             of the rows given. ``None`` keeps the rows given.
+        train_token_budget: When set, each training micro-batch is scored in parts of at most
+            this many tokens (sized as for ``logprob_token_budget``), one forward+backward per
+            part, so the activation memory follows the budget instead of the micro-batch's row
+            count. Every normaliser still uses the whole micro-batch's rows and tokens, so the
+            gradient and the logged metrics equal the one-pass step. ``None``: one pass.
     """
 
     chunked_lm_head: bool = True
     lm_head_chunk_tokens: int = 1024
     padding_free: bool = True
     packed_row_tokens: int | None = None
+    share_prompt_prefix: bool = True
     logprob_token_budget: int | None = None
+    train_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.lm_head_chunk_tokens < 1:
@@ -49,15 +63,15 @@ class ForwardOptions:
             raise ValueError(
                 f"forward.packed_row_tokens={self.packed_row_tokens}: use a positive token count or null."
             )
-        if self.logprob_token_budget is not None and self.logprob_token_budget < 1:
-            raise ValueError(
-                f"forward.logprob_token_budget={self.logprob_token_budget}: use a positive token count or null."
-            )
+        for name in ("logprob_token_budget", "train_token_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"forward.{name}={value}: use a positive token count or null.")
 
     @classmethod
     def plain(cls) -> "ForwardOptions":
         """The plain path: padded batch, full logits from the model (TRL's forward)."""
-        return cls(chunked_lm_head=False, padding_free=False)
+        return cls(chunked_lm_head=False, padding_free=False, share_prompt_prefix=False)
 
 
 # GRPOModule keeps its ``forward`` argument in the checkpoint's hyper-parameters; let

@@ -14,11 +14,12 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_only
 
-from grpo_lightning.losses import LossInputs, PolicyLoss, get_loss
+from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss, merge_metrics
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.utils.checkpointing import set_activation_checkpointing
 from grpo_lightning.module.metrics import MetricsWindow, reduce_metric_values
 from grpo_lightning.module.model_loading import frozen_copy, load_policy, load_tokenizer, zero_dropout
+from grpo_lightning.module.training_parts import training_parts
 from grpo_lightning.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ class GRPOModule(pl.LightningModule):
             ``chunked_lm_head`` (LM head on real completion tokens in chunks, no full-vocabulary
             fp32 logits), ``padding_free`` (packed sequences, no compute on padding),
             ``lm_head_chunk_tokens``, ``packed_row_tokens``, ``logprob_token_budget`` (no-grad
-            passes in token-sized groups). Same values and gradients as the plain path,
-            ``ForwardOptions.plain()``; see :class:`~grpo_lightning.module.forward.ForwardOptions`.
+            passes in token-sized groups), ``train_token_budget`` (each training micro-batch in
+            token-sized parts, one forward+backward each). Same values and gradients as the plain
+            path, ``ForwardOptions.plain()``; see :class:`~grpo_lightning.module.forward.ForwardOptions`.
     """
 
     def __init__(
@@ -131,6 +133,15 @@ class GRPOModule(pl.LightningModule):
         self._batch_started = 0.0
         self._grad_norm = math.nan
         self._last_global_step = 0
+        self._grads_zeroed_at: int | None = None  # see _zero_grad_before_parts
+
+    def setup(self, stage: str) -> None:
+        strategy = type(self.trainer.strategy).__name__
+        if self.forward_options.train_token_budget is not None and "DeepSpeed" in strategy:
+            raise ValueError(
+                "model.forward.train_token_budget backpropagates parts of a micro-batch inside training_step, "
+                f"which {strategy} does not support (it counts one backward per micro-step): set it to null."
+            )
 
     # ----------------------------------------------------------------- PolicyHandle protocol
     @property
@@ -178,6 +189,46 @@ class GRPOModule(pl.LightningModule):
 
     # ----------------------------------------------------------------------- training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        parts = training_parts(batch, self.forward_options)  # [batch] unless a token budget splits it
+        totals = None
+        if len(parts) > 1:
+            totals = MicroBatchTotals.of(batch.loss_mask)
+            if batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._zero_grad_before_parts(batch_idx)
+        losses, metrics = [], []
+        for index, part in enumerate(parts):
+            out = self._policy_loss(part, totals)
+            if index < len(parts) - 1:
+                # Backward now, freeing this part's activations; the last part's loss goes back to
+                # Lightning, whose backward completes the micro-step (and any gradient sync).
+                self.trainer.strategy.backward(out.loss, None)
+            losses.append(out.loss)
+            metrics.append(out.metrics)
+        self._window.add(batch.generation_metrics)
+        merged = merge_metrics(metrics) if len(metrics) > 1 else metrics[0]
+        self._window.add(reduce_metric_values(merged, self._all_reduce if self.trainer.world_size > 1 else None))
+        self._step_loss += sum(float(loss.detach()) for loss in losses)
+        self._step_time += batch.prepare_seconds
+        # The loss is in TRL's scale, which already includes any division by the accumulation
+        # steps; Lightning divides by accumulate_grad_batches again, so undo that here.
+        return losses[-1] * self.trainer.accumulate_grad_batches
+
+    def _zero_grad_before_parts(self, batch_idx: int) -> None:
+        """Lightning zeroes the gradients of a new accumulation window *after* its first
+        ``training_step`` (right before that step's backward), which would erase the parts
+        backpropagated inside the step: zero them now and skip Lightning's call for this step."""
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad()
+        self._grads_zeroed_at = batch_idx
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        if self._grads_zeroed_at == batch_idx:
+            self._grads_zeroed_at = None  # done before this step's parts
+            return
+        optimizer.zero_grad()
+
+    def _policy_loss(self, batch: RolloutBatch, totals: MicroBatchTotals | None) -> LossOutput:
+        """The loss of ``batch`` (a micro-batch, or the part of one whose ``totals`` are given)."""
         logps, entropies = completion_logprobs(
             self.policy,
             batch.prompt_ids,
@@ -188,7 +239,7 @@ class GRPOModule(pl.LightningModule):
             entropy_requires_grad=self.entropy_coef != 0,
             options=self.forward_options,
         )  # (B, T), (B, T)
-        out = self.loss(
+        return self.loss(
             LossInputs(
                 logps=logps,
                 old_logps=batch.old_logps,
@@ -203,15 +254,9 @@ class GRPOModule(pl.LightningModule):
                 num_processes=self.trainer.world_size,
                 gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
                 entropy_coef=self.entropy_coef,
+                totals=totals,
             )
         )
-        self._window.add(batch.generation_metrics)
-        self._window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
-        self._step_loss += float(out.loss.detach())
-        self._step_time += batch.prepare_seconds
-        # The loss is in TRL's scale, which already includes any division by the accumulation
-        # steps; Lightning divides by accumulate_grad_batches again, so undo that here.
-        return out.loss * self.trainer.accumulate_grad_batches
 
     # --------------------------------------------------------------------- evaluation
     def validation_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
