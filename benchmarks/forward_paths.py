@@ -11,14 +11,16 @@ drifts hit every path alike; the table gives the best and median step over all r
 
 * ``train``: one training micro-step as ``GRPOModule.training_step`` runs it: completion log-probs
   with grad (entropies for logging, no grad), the dapo loss, backward; gradient checkpointing on
-  (the module's default).
+  (the module's default); and with a ``train_token_budget`` of a quarter of the micro-batch's
+  tokens (four forward+backward parts).
 * ``logprob``: the no-grad old/reference pass over a generation batch, in row chunks of the
   micro-batch size (``rollout_logprobs``), and with a token budget.
 
 Peak memory on CPU is the rise of the process's peak RSS (``VmHWM``, reset before the measured
 steps) over the RSS just before them; on CUDA the peak of ``torch.cuda.max_memory_allocated``
-over the allocation before them. Prompts are left-padded (16–64 tokens), completions
-right-padded (8–``--max-completion`` tokens, one row at the maximum).
+over the allocation before them. Prompts are left-padded (16–64 tokens, each repeated for
+``--generations`` consecutive rows, as GRPO samples them), completions right-padded
+(8–``--max-completion`` tokens, one row at the maximum).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ sys.path.insert(0, str(REPO))
 PATHS = {
     "plain": dict(chunked_lm_head=False, padding_free=False),
     "chunked": dict(chunked_lm_head=True, padding_free=False),
-    "packed": dict(chunked_lm_head=False, padding_free=True),
-    "chunked+packed": dict(chunked_lm_head=True, padding_free=True),
+    "packed": dict(chunked_lm_head=False, padding_free=True, share_prompt_prefix=False),
+    "chunked+packed": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=False),
+    "chunked+packed+shared": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=True),
 }
 
 
@@ -61,15 +64,17 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM")
 
 
-def _batch(rows: int, max_completion: int, seed: int, vocab: int, device):
+def _batch(rows: int, max_completion: int, seed: int, vocab: int, device, generations: int = 1):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    prompt_lengths = torch.randint(16, 65, (rows,), generator=g)
+    prompt_lengths = torch.randint(16, 65, (-(-rows // generations),), generator=g)
+    prompt_lengths = prompt_lengths.repeat_interleave(generations)[:rows]  # G samples of each prompt
     completion_lengths = torch.randint(8, max_completion + 1, (rows,), generator=g)
     completion_lengths[0] = max_completion
     tp, t = int(prompt_lengths.max()), int(completion_lengths.max())
-    prompt_ids = torch.randint(3, vocab, (rows, tp), generator=g)
+    prompt_ids = torch.randint(3, vocab, (-(-rows // generations), tp), generator=g)
+    prompt_ids = prompt_ids.repeat_interleave(generations, dim=0)[:rows]
     completion_ids = torch.randint(3, vocab, (rows, t), generator=g)
     cols_p, cols_c = torch.arange(tp), torch.arange(t)
     prompt_mask = (cols_p.unsqueeze(0) >= tp - prompt_lengths.unsqueeze(1)).long()
@@ -83,7 +88,8 @@ def _batch(rows: int, max_completion: int, seed: int, vocab: int, device):
 def child(args: argparse.Namespace) -> dict:
     import torch
 
-    from grpo_lightning.losses import LossInputs, get_loss
+    from grpo_lightning.algo.packing import token_budget_groups
+    from grpo_lightning.losses import LossInputs, MicroBatchTotals, get_loss
     from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
     from grpo_lightning.utils.checkpointing import set_activation_checkpointing
     from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
@@ -105,10 +111,11 @@ def child(args: argparse.Namespace) -> dict:
         model.eval()
     params = sum(p.numel() for p in model.parameters())
     options = ForwardOptions(**PATHS[args.path], lm_head_chunk_tokens=args.chunk_tokens,
-                             logprob_token_budget=args.token_budget)
+                             logprob_token_budget=args.token_budget, train_token_budget=args.train_token_budget)
     loss_fn = get_loss("dapo")
     rows = args.rows if args.mode == "train" else args.rows * args.generation_chunks
-    batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device) for i in range(args.steps + 1)]
+    batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device, args.generations)
+               for i in range(args.steps + 1)]
 
     autocast = args.autocast != "none"
     autocast_dtype = torch.bfloat16 if args.autocast == "bf16" else torch.float16
@@ -119,14 +126,24 @@ def child(args: argparse.Namespace) -> dict:
 
     def _step(batch):
         prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = batch
-        if args.mode == "train":
-            logps, entropies = completion_logprobs(
-                model, prompt_ids, prompt_mask, completion_ids, completion_mask, args.temperature, options=options
-            )
-            out = loss_fn(LossInputs(logps=logps, old_logps=None, advantages=advantages, mask=completion_mask,
-                                     entropies=entropies, num_items_in_batch=completion_mask.sum().float()))
-            out.loss.backward()
-            return float(out.loss)
+        if args.mode == "train":  # as GRPOModule.training_step: one part, or token-budget parts
+            groups = [torch.arange(rows, device=device)]
+            if options.train_token_budget is not None:
+                groups = token_budget_groups(prompt_mask.sum(1), completion_mask.sum(1), options.train_token_budget,
+                                             packed=options.padding_free)
+            totals = MicroBatchTotals.of(completion_mask) if len(groups) > 1 else None
+            total = 0.0
+            for group in groups:
+                logps, entropies = completion_logprobs(
+                    model, prompt_ids[group], prompt_mask[group], completion_ids[group], completion_mask[group],
+                    args.temperature, options=options,
+                )
+                out = loss_fn(LossInputs(logps=logps, old_logps=None, advantages=advantages[group],
+                                         mask=completion_mask[group], entropies=entropies,
+                                         num_items_in_batch=completion_mask.sum().float(), totals=totals))
+                out.loss.backward()
+                total += float(out.loss)
+            return total
         with torch.no_grad():  # as GRPOModule.rollout_logprobs: row chunks of the micro-batch size
             for start in range(0, rows, args.rows):
                 sl = slice(start, start + args.rows)
@@ -176,7 +193,9 @@ def main() -> None:
     parser.add_argument("--max-completion", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
-    parser.add_argument("--token-budget", type=int, default=None)
+    parser.add_argument("--token-budget", type=int, default=None, help="logprob_token_budget of every path")
+    parser.add_argument("--train-token-budget", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--generations", type=int, default=8, help="rows per prompt (GRPO's num_generations)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of every run")
     parser.add_argument("--threads", type=int, default=2)
@@ -202,7 +221,10 @@ def main() -> None:
     runs = [(m, p) for m in args.modes.split(",") for p in args.paths.split(",")]
     if "logprob" in args.modes.split(",") and args.token_budget is None:
         budget = args.rows * (64 + args.max_completion) // 2
-        runs.append(("logprob", f"chunked+packed@budget={budget}"))
+        runs.append(("logprob", f"chunked+packed+shared@budget={budget}"))
+    if "train" in args.modes.split(","):  # a quarter of the micro-batch's tokens per part
+        budget = args.rows * (40 + args.max_completion // 2) // 4
+        runs.append(("train", f"chunked+packed+shared@train_budget={budget}"))
     collected: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):  # round-robin, so that load drifts hit every path alike
         for mode, name in runs:
@@ -210,6 +232,9 @@ def main() -> None:
             if "@budget=" in name:
                 path, budget = name.split("@budget=")
                 extra = ["--token-budget", budget]
+            elif "@train_budget=" in name:
+                path, budget = name.split("@train_budget=")
+                extra = ["--train-token-budget", budget]
             cmd = [sys.executable, __file__, *passthrough, "--child", "--path", path, "--mode", mode, *extra]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:

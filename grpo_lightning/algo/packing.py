@@ -23,8 +23,9 @@ class TokenLayout:
     Attributes:
         input_ids: ``(R, W)`` token ids fed to the model.
         position_ids: ``(R, W)`` position ids.
-        attention_mask: ``(R, W)`` padding mask (padded layout), or ``None`` for a packed layout,
-            where sequences are told apart by position ids restarting at 0.
+        attention_mask: ``(R, W)`` padding mask (padded layout), ``None`` for a packed layout,
+            where sequences are told apart by position ids restarting at 0, or an ``(R, 1, W, W)``
+            mask the model takes as-is (shared-prefix layout, :mod:`grpo_lightning.algo.shared_prefix`).
         predict_index: ``(M,)`` flat index into the ``(R·W)`` hidden states: the state that
             predicts each real completion token.
         target_ids: ``(M,)`` those completion tokens.

@@ -13,7 +13,9 @@ Three interchangeable paths give the same log-probs and gradients on every real 
 * **padding-free** (``padding_free``): the real tokens of every row are packed end to end with
   position ids restarting at 0 per sequence and no attention mask; transformers then isolates
   the sequences (a block-diagonal causal mask for ``sdpa``/``eager``/``flex_attention``, varlen
-  kernels for flash-attention), so no compute is spent on padding.
+  kernels for flash-attention), so no compute is spent on padding. With ``share_prompt_prefix``
+  and ``sdpa``/``eager``, rows with the same prompt share one copy of it under a 4-D mask
+  (:mod:`grpo_lightning.algo.shared_prefix`).
 
 The optimized paths need a model whose logits are ``head(base(...).last_hidden_state)`` (up to a
 constant scale and Gemma's final soft-capping): the architectures in :data:`HEAD_MODEL_TYPES`.
@@ -36,6 +38,7 @@ import torch
 
 from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
+from grpo_lightning.algo.shared_prefix import shared_prefix_layout
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.algo.packing import (
     TokenLayout,
@@ -90,6 +93,7 @@ class _ModelParts:
     logit_scale: float | None
     softcap: float | None
     attn_implementation: str
+    sliding_window: int | None = None
 
 
 def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
@@ -121,12 +125,14 @@ def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
     if getattr(config, "logits_scaling", None) is not None and model_type == "granite":
         logit_scale = 1.0 / float(config.logits_scaling)
     softcap = getattr(config, "final_logit_softcapping", None)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     return _ModelParts(
         base=base,
         head=head,
         logit_scale=logit_scale,
         softcap=float(softcap) if softcap else None,
         attn_implementation=str(getattr(config, "_attn_implementation", None)),
+        sliding_window=int(window) if window else None,
     )
 
 
@@ -209,9 +215,12 @@ def _optimized_logprobs(
                 "isolate packed sequences; using the padded batch."
             )
         else:
-            layout = packed_layout(
-                prompt_ids, prompt_mask, completion_ids, completion_mask, row_tokens=row_tokens
-            )
+            impl, batch = parts.attn_implementation, (prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if options.share_prompt_prefix and impl in _MASKED_ATTENTION:  # None: nothing shared
+                layout = shared_prefix_layout(
+                    *batch, row_tokens=row_tokens, max_row_tokens=parts.sliding_window, additive_mask=impl == "eager"
+                )
+            layout = layout or packed_layout(*batch, row_tokens=row_tokens)
             if layout is None:
                 _log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "

@@ -1,0 +1,232 @@
+"""The shared-prefix forward (``share_prompt_prefix``): rows with the same prompt forward it once,
+and log-probs, entropies, loss and every parameter gradient equal the plain path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_lightning.module import forward as forward_module
+from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
+from tests.algo.test_shared_prefix import grouped_batch
+from tests.module.test_forward_paths import (  # noqa: F401  (no_plain_fallback is a fixture)
+    PLAIN,
+    TEMPERATURE,
+    VOCAB,
+    assert_same,
+    no_plain_fallback,
+    perturbed,
+    run,
+    tiny,
+)
+
+# Two groups of repeated prompts of different lengths, a unique prompt, a row without completion.
+GROUPS = ((6, (4, 2, 7)), (3, (1, 5, 3)), (5, (3,)), (4, (2, 0)))
+SHARED = {
+    "chunked": ForwardOptions(lm_head_chunk_tokens=4),
+    "unchunked-rows": ForwardOptions(chunked_lm_head=False, packed_row_tokens=12),
+}
+UNSHARED = ForwardOptions(share_prompt_prefix=False)
+
+
+def make_grouped(groups=GROUPS, seed=0):
+    batch = grouped_batch(groups, seed=seed, vocab=VOCAB)
+    advantages = torch.randn(batch[0].shape[0], generator=torch.Generator().manual_seed(seed))
+    return (*batch, advantages)
+
+
+def gemma2(attn, sliding_window=64):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None,
+        sliding_window=sliding_window, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = perturbed(Gemma2ForCausalLM(config).float())
+    model.config._attn_implementation = attn
+    return model
+
+
+def granite(attn):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, logits_scaling=3.0, max_position_embeddings=64, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = perturbed(GraniteForCausalLM(config).float())
+    model.config._attn_implementation = attn
+    return model
+
+
+MODELS = {
+    "llama": lambda attn: tiny("llama", attn=attn),
+    "qwen2-tied": lambda attn: tiny("qwen2", tie=True, attn=attn),
+    "gemma2": gemma2,
+    "granite": granite,
+}
+
+
+@pytest.fixture
+def shared_layouts(monkeypatch):
+    """Records the shared-prefix layouts the forward builds (``None`` where it fell back)."""
+    built = []
+    original = forward_module.shared_prefix_layout
+
+    def spy(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(forward_module, "shared_prefix_layout", spy)
+    return built
+
+
+@pytest.mark.parametrize("architecture", list(MODELS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("path", list(SHARED))
+def test_shared_prefix_matches_plain(architecture, attn, path, shared_layouts, no_plain_fallback):
+    model = MODELS[architecture](attn)
+    batch = make_grouped()
+    want = run(model, batch)
+    got = run(model, batch, SHARED[path])
+    assert len(shared_layouts) == 1 and shared_layouts[0] is not None
+    expected_dtype = torch.float32 if attn == "eager" else torch.bool
+    assert shared_layouts[0].attention_mask.dtype == expected_dtype
+    assert_same(got, want, batch[3])
+    assert not got[0][batch[3] == 0].any() and not got[1][batch[3] == 0].any()
+
+
+@pytest.mark.parametrize("loss", ["grpo", "cispo"])
+def test_shared_prefix_matches_plain_with_old_logprobs(loss, shared_layouts, no_plain_fallback):
+    model = tiny("qwen2", attn="sdpa")
+    batch = make_grouped(seed=3)
+    with torch.no_grad():
+        old = completion_logprobs(model, *batch[:4], TEMPERATURE, with_entropy=False, options=UNSHARED)[0]
+    old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * batch[3]
+    want = run(model, batch, loss=loss, old_logps=old)
+    assert_same(run(model, batch, ForwardOptions(), loss=loss, old_logps=old), want, batch[3])
+    assert shared_layouts and shared_layouts[0] is not None
+
+
+@pytest.mark.parametrize("architecture", list(MODELS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_no_grad_pass_matches_plain(architecture, attn, shared_layouts):
+    model = MODELS[architecture](attn)
+    batch = make_grouped(seed=1)
+    with torch.no_grad():
+        want = completion_logprobs(model, *batch[:4], TEMPERATURE, options=PLAIN)
+        got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions())
+    mask = batch[3].bool()
+    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)
+    assert shared_layouts[0] is not None
+
+
+@pytest.mark.parametrize("budget", [1, 30, 10_000])
+def test_token_budget_groups_match_plain(budget, shared_layouts):
+    model = tiny("llama", attn="sdpa")
+    batch = make_grouped(seed=2)
+    with torch.no_grad():
+        want = completion_logprobs(model, *batch[:4], TEMPERATURE, options=PLAIN)
+        got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions(logprob_token_budget=budget))
+    mask = batch[3].bool()
+    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)
+    shared = [lay for lay in shared_layouts if lay is not None]
+    assert bool(shared) == (budget > 1)  # a one-row group has nothing to share
+
+
+def _forwarded_tokens(model, batch, options):
+    """Real (non-pad) and total tokens through the input embedding in one no-grad pass."""
+    counts = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: counts.append((int((args[0] != 0).sum()), args[0].numel()))
+    )
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, *batch[:4], TEMPERATURE, options=options)
+    finally:
+        hook.remove()
+    assert len(counts) == 1
+    return counts[0]
+
+
+def test_shared_forward_runs_fewer_tokens():
+    model = tiny("llama", attn="sdpa")
+    batch = make_grouped()
+    real_shared, total_shared = _forwarded_tokens(model, batch, ForwardOptions())
+    real_unshared, total_unshared = _forwarded_tokens(model, batch, UNSHARED)
+    # rows with a completion: group 1 shares its 6-token prompt 3×, group 2 its 3-token prompt 3×
+    assert real_unshared - real_shared == 2 * 6 + 2 * 3
+    assert real_unshared == int(batch[1][batch[3].any(1)].sum() + batch[3].sum())
+    assert total_shared < total_unshared
+
+
+def test_without_repeated_prompts_the_unshared_layout_runs(shared_layouts, no_plain_fallback):
+    model = tiny("llama", attn="sdpa")
+    batch = make_grouped(((6, (4,)), (3, (1,)), (5, (3,))))
+    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
+    assert shared_layouts == [None]
+
+
+def test_sliding_window_shorter_than_a_unit_falls_back(shared_layouts, no_plain_fallback):
+    """Gemma 2 with a 4-token window: no unit fits, so the unshared packing runs (and matches)."""
+    model = gemma2("sdpa", sliding_window=4)
+    batch = make_grouped()
+    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
+    assert shared_layouts == [None]
+
+
+def test_sliding_window_caps_the_rows(shared_layouts, no_plain_fallback):
+    """A window between the largest unit and the whole batch: rows stay within it, values match."""
+    model = gemma2("eager", sliding_window=20)
+    batch = make_grouped()
+    assert_same(run(model, batch, ForwardOptions(packed_row_tokens=1000)), run(model, batch), batch[3])
+    assert shared_layouts[0] is not None and shared_layouts[0].input_ids.shape[1] <= 20
+
+
+def test_varlen_attention_keeps_unshared_packing(monkeypatch, shared_layouts):
+    """flash/flex implementations never get the 4-D mask."""
+    monkeypatch.setattr(forward_module, "_MASKED_ATTENTION", ())
+    monkeypatch.setattr(forward_module, "_VARLEN_ATTENTION", ("sdpa",))
+    model = tiny("llama", attn="sdpa")
+    with torch.no_grad():
+        completion_logprobs(model, *make_grouped()[:4], TEMPERATURE, options=ForwardOptions())
+    assert shared_layouts == []
+
+
+def test_gradient_checkpointing_and_train_mode(shared_layouts, no_plain_fallback):
+    from grpo_lightning.utils.checkpointing import set_activation_checkpointing
+
+    model = tiny("qwen2", attn="sdpa")
+    set_activation_checkpointing(model, True)
+    model.train()
+    batch = make_grouped()
+    assert_same(run(model, batch, ForwardOptions(lm_head_chunk_tokens=3)), run(model, batch), batch[3])
+    assert shared_layouts[0] is not None
+
+
+def test_option_defaults():
+    assert ForwardOptions().share_prompt_prefix is True
+    assert ForwardOptions.plain().share_prompt_prefix is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bf16_autocast_shared_prefix_on_cuda(attn, shared_layouts):
+    """Under bf16 autocast the mask must suit the kernels (bool for sdpa, float32 bias for eager)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny("llama", attn=attn).cuda()
+    batch = tuple(t.cuda() for t in make_grouped())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = run(model, batch)
+        got = run(model, batch, ForwardOptions())
+    assert shared_layouts and shared_layouts[0] is not None
+    mask = batch[3].bool()
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g[mask], w[mask], rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got[3], want[3], rtol=3e-2, atol=3e-1)
