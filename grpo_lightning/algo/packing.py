@@ -12,6 +12,7 @@ Layer L0: pure torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -219,7 +220,12 @@ def packed_layout(
 
 
 def token_budget_groups(
-    prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor, budget: int, *, packed: bool = False
+    prompt_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor,
+    budget: int,
+    *,
+    packed: bool = False,
+    prompt_units: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Split rows into groups that fit a token budget, longest rows first.
 
@@ -228,10 +234,15 @@ def token_budget_groups(
     for a padded batch (left-padded prompts, right-padded completions), or the sum of the real
     lengths when ``packed``. A row larger than the budget forms its own group.
 
+    With ``prompt_units`` (a packed forward that shares prompts: one id per row, equal for rows
+    with the same prompt) the rows of a unit stay next to each other, largest units first, and a
+    group counts each unit's prompt once, so siblings land in the same group and share it there.
+
     Args:
         prompt_lengths, completion_lengths: ``(B,)`` real tokens of each row.
         budget: maximum tokens of a group.
         packed: size groups by real tokens (padding-free forward) instead of padded size.
+        prompt_units: prompt-sharing unit of each row (only with ``packed``).
 
     Returns:
         Index tensors (on ``prompt_lengths.device``) covering every row exactly once.
@@ -241,23 +252,35 @@ def token_budget_groups(
     [[1, 3], [2, 0]]
     >>> [g.tolist() for g in token_budget_groups(p, c, 24, packed=True)]
     [[1, 3, 2], [0]]
+    >>> [g.tolist() for g in token_budget_groups(p, c, 16, packed=True, prompt_units=[0, 0, 1, 0])]
+    [[1, 3, 0], [2]]
     """
     prompts, completions = prompt_lengths.tolist(), completion_lengths.tolist()
-    order = sorted(range(len(prompts)), key=lambda i: (-(prompts[i] + completions[i]), i))
+    units = list(prompt_units) if packed and prompt_units is not None else list(range(len(prompts)))
+    unit_size: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        unit_size[unit] = unit_size.get(unit, int(prompts[i])) + int(completions[i])
+    order = sorted(
+        range(len(prompts)), key=lambda i: (-unit_size[units[i]], units[i], -(prompts[i] + completions[i]), i)
+    )
     groups: list[list[int]] = []
     current: list[int] = []
+    seen: set[int] = set()
     max_prompt = max_completion = total = 0
     for i in order:
         p, c = int(prompts[i]), int(completions[i])
+        shared_p = 0 if units[i] in seen else p  # a unit's prompt is packed once per group
         if packed:
-            size = total + p + c
+            size = total + shared_p + c
         else:
             size = (len(current) + 1) * (max(max_prompt, p) + max(max_completion, c))
         if current and size > budget:
             groups.append(current)
-            current, max_prompt, max_completion, total = [], 0, 0, 0
+            current, seen, max_prompt, max_completion, total = [], set(), 0, 0, 0
+            shared_p = p
         current.append(i)
-        max_prompt, max_completion, total = max(max_prompt, p), max(max_completion, c), total + p + c
+        seen.add(units[i])
+        max_prompt, max_completion, total = max(max_prompt, p), max(max_completion, c), total + shared_p + c
     if current:
         groups.append(current)
     return [torch.tensor(g, dtype=torch.long, device=prompt_lengths.device) for g in groups]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lightning.algo.packing import TokenLayout, first_fit_decreasing, is_right_padded
+from grpo_lightning.algo.packing import TokenLayout, first_fit_decreasing, is_right_padded, token_budget_groups
 
 
 def prompt_units(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[int]) -> list[list[int]]:
@@ -37,6 +37,34 @@ def prompt_units(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list
     for i in rows:
         units.setdefault(tuple(ids[i][real[i]].tolist()), []).append(i)
     return list(units.values())
+
+
+def budget_groups(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    budget: int,
+    *,
+    packed: bool,
+    share_prompts: bool,
+) -> list[torch.Tensor]:
+    """Rows of a padded batch in token-budget groups (:func:`token_budget_groups`); with
+    ``share_prompts`` (a packed forward that shares prompts) the rows of a prompt stay together
+    and a group counts that prompt once.
+
+    >>> ids = torch.tensor([[5, 6], [5, 6], [0, 7], [5, 6]])
+    >>> groups = budget_groups(ids, (ids != 0).long(), torch.ones(4, 3), 11, packed=True, share_prompts=True)
+    >>> [g.tolist() for g in groups]
+    [[0, 1, 3], [2]]
+    """
+    prompt_lengths, completion_lengths = (prompt_mask != 0).sum(1), (completion_mask != 0).sum(1)
+    units = None
+    if packed and share_prompts:
+        units = [0] * prompt_ids.shape[0]
+        for unit, members in enumerate(prompt_units(prompt_ids, prompt_mask, list(range(prompt_ids.shape[0])))):
+            for row in members:
+                units[row] = unit
+    return token_budget_groups(prompt_lengths, completion_lengths, budget, packed=packed, prompt_units=units)
 
 
 def shared_prefix_layout(

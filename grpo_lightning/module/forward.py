@@ -38,7 +38,7 @@ import torch
 
 from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
-from grpo_lightning.algo.shared_prefix import shared_prefix_layout
+from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layout
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.algo.packing import (
     TokenLayout,
@@ -47,7 +47,6 @@ from grpo_lightning.algo.packing import (
     packed_layout,
     padded_layout,
     scatter_tokens,
-    token_budget_groups,
 )
 
 log = logging.getLogger(__name__)
@@ -266,7 +265,10 @@ def _token_budget_pass(
     per_group = replace(options, logprob_token_budget=None)
     prompt_lengths, completion_lengths = (prompt_mask != 0).sum(1), (completion_mask != 0).sum(1)
     trim = is_left_padded(prompt_mask) and is_right_padded(completion_mask)
-    groups = token_budget_groups(prompt_lengths, completion_lengths, budget, packed=options.padding_free)
+    groups = budget_groups(
+        prompt_ids, prompt_mask, completion_mask, budget,
+        packed=options.padding_free, share_prompts=options.share_prompt_prefix,
+    )
     num_rows, width = completion_ids.shape
     prompt_width = prompt_ids.shape[1]
     logps = torch.zeros((num_rows, width), dtype=torch.float32, device=completion_ids.device)

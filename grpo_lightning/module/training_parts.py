@@ -10,7 +10,7 @@ metrics are those of the one-pass step.
 
 from __future__ import annotations
 
-from grpo_lightning.algo.packing import token_budget_groups
+from grpo_lightning.algo.shared_prefix import budget_groups
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.types import RolloutBatch
 
@@ -20,15 +20,17 @@ def training_parts(batch: RolloutBatch, options: ForwardOptions) -> list[Rollout
 
     Rows are grouped longest first (similar lengths share a part, so little padding), sized by
     real tokens when the forward is padding-free and by ``rows × padded width`` otherwise; a row
-    longer than the budget is a part of its own. Each part is trimmed of the padding it does not
-    need.
+    longer than the budget is a part of its own. With ``share_prompt_prefix`` the samples of a
+    prompt stay in the same part where they fit, so they still share its forward. Each part is
+    trimmed of the padding it does not need.
     """
     budget = options.train_token_budget
     if budget is None:
         return [batch]
-    prompt_lengths = (batch.prompt_mask != 0).sum(1)  # (B,)
-    completion_lengths = (batch.completion_mask != 0).sum(1)  # (B,)
-    groups = token_budget_groups(prompt_lengths, completion_lengths, budget, packed=options.padding_free)
+    groups = budget_groups(
+        batch.prompt_ids, batch.prompt_mask, batch.completion_mask, budget,
+        packed=options.padding_free, share_prompts=options.share_prompt_prefix,
+    )
     if len(groups) == 1:
         return [batch]
     return [batch.select_rows(rows) for rows in groups]
