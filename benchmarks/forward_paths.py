@@ -88,7 +88,7 @@ def _batch(rows: int, max_completion: int, seed: int, vocab: int, device, genera
 def child(args: argparse.Namespace) -> dict:
     import torch
 
-    from grpo_lightning.algo.packing import token_budget_groups
+    from grpo_lightning.algo.shared_prefix import budget_groups
     from grpo_lightning.losses import LossInputs, MicroBatchTotals, get_loss
     from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
     from grpo_lightning.utils.checkpointing import set_activation_checkpointing
@@ -129,8 +129,8 @@ def child(args: argparse.Namespace) -> dict:
         if args.mode == "train":  # as GRPOModule.training_step: one part, or token-budget parts
             groups = [torch.arange(rows, device=device)]
             if options.train_token_budget is not None:
-                groups = token_budget_groups(prompt_mask.sum(1), completion_mask.sum(1), options.train_token_budget,
-                                             packed=options.padding_free)
+                groups = budget_groups(prompt_ids, prompt_mask, completion_mask, options.train_token_budget,
+                                       packed=options.padding_free, share_prompts=options.share_prompt_prefix)
             totals = MicroBatchTotals.of(completion_mask) if len(groups) > 1 else None
             total = 0.0
             for group in groups:

@@ -18,3 +18,12 @@ if [ -z "${GRPO_SHARED_ASSETS:-}" ] && [ -d .gpu_wheels/assets/tokenizers/qwen2.
   export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets  # the Qwen2.5 tokenizer copied by gpu_wheels.sh
 fi
 PYTHONUNBUFFERED=1 $PY benchmarks/compare_trl.py --device cuda --sizes qwen0.5b --out-dir "${BENCH_OUT_DIR:-benchmarks/results}" ${BENCH_ARGS:-}
+echo "== forward paths on CUDA (Qwen2.5-0.5B architecture, bf16 autocast, 256-token completions, 8 samples per prompt)"
+# Answers the open GPU questions of docs/benchmarks.md: does sdpa packing (an explicit mask, so no
+# flash kernel) cost more than the padding it saves; does sharing the prompt pay; what LM-head
+# chunk size suits the GPU; what a train_token_budget costs.
+QWEN05="--device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 --intermediate 4864 --rows 32 --max-completion 256 --threads 8 --rounds 1 --steps 3"
+PYTHONUNBUFFERED=1 $PY benchmarks/forward_paths.py $QWEN05 --json "${BENCH_OUT_DIR:-benchmarks/results}/forward_paths_cuda.json"
+for chunk in 4096 16384; do
+  PYTHONUNBUFFERED=1 $PY benchmarks/forward_paths.py $QWEN05 --modes train --paths chunked+packed+shared --chunk-tokens $chunk
+done

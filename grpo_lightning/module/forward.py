@@ -93,6 +93,9 @@ class _ModelParts:
     softcap: float | None
     attn_implementation: str
     sliding_window: int | None = None
+    # FLOPs of one (query, key) pair of masked attention over those of one token through the
+    # decoder's linear layers: how much a wider packed row costs (see _layout_cost).
+    attention_pair_cost: float = 0.0
 
 
 def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
@@ -132,7 +135,28 @@ def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
         softcap=float(softcap) if softcap else None,
         attn_implementation=str(getattr(config, "_attn_implementation", None)),
         sliding_window=int(window) if window else None,
+        attention_pair_cost=_attention_pair_cost(config),
     )
+
+
+def _attention_pair_cost(config: Any) -> float:
+    """Per layer: a (query, key) pair costs ``4·heads·head_dim`` FLOPs (scores and values), a token
+    ``2·(q + k + v + o + MLP)`` weights' worth. MoE configs count their per-token experts' MLPs."""
+    hidden = int(config.hidden_size)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    mlp = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 4 * hidden
+    experts = int(getattr(config, "num_experts_per_tok", None) or 1)
+    linear = 2 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * int(mlp) * experts)
+    return 4 * heads * head_dim / linear
+
+
+def _layout_cost(layout: TokenLayout, parts: _ModelParts) -> float:
+    """Decoder FLOPs of a layout, in tokens: every slot through the linear layers, plus each row's
+    dense ``W²`` attention (mask-based kernels compute every pair, masked or not)."""
+    rows, width = layout.input_ids.shape
+    return rows * width * (1.0 + width * parts.attention_pair_cost)
 
 
 def _hidden_states(model: torch.nn.Module, parts: _ModelParts, layout: TokenLayout) -> torch.Tensor:
@@ -215,11 +239,15 @@ def _optimized_logprobs(
             )
         else:
             impl, batch = parts.attn_implementation, (prompt_ids, prompt_mask, completion_ids, completion_mask)
-            if options.share_prompt_prefix and impl in _MASKED_ATTENTION:  # None: nothing shared
-                layout = shared_prefix_layout(
+            layout = packed_layout(*batch, row_tokens=row_tokens)
+            if options.share_prompt_prefix and impl in _MASKED_ATTENTION and layout is not None:
+                shared = shared_prefix_layout(
                     *batch, row_tokens=row_tokens, max_row_tokens=parts.sliding_window, additive_mask=impl == "eager"
-                )
-            layout = layout or packed_layout(*batch, row_tokens=row_tokens)
+                )  # None: no prompt repeats
+                # A shared row is wider (prompt + all its completions): its dense attention can
+                # outweigh the prompt tokens saved (long completions, small models).
+                if shared is not None and _layout_cost(shared, parts) < _layout_cost(layout, parts):
+                    layout = shared
             if layout is None:
                 _log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "

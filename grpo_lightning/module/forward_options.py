@@ -35,8 +35,10 @@ class ForwardOptions:
             prompt in one micro-batch) share one copy of the prompt in the packed row, followed by
             each of their completions, isolated by a 4-D attention mask: each prompt is forwarded
             once instead of once per row. Same values and gradients as the plain path. Only used
-            when a prompt repeats in the batch; varlen kernels (flash, flex), and models with a
-            sliding window shorter than a prompt plus its completions, keep the unshared packing.
+            when a prompt repeats in the batch and the wider rows' dense attention costs less
+            than the prompt tokens saved (an estimate from the model config); varlen kernels
+            (flash, flex), and models with a sliding window shorter than a prompt plus its
+            completions, keep the unshared packing.
         logprob_token_budget: When set, no-grad passes (old/reference log-probs) run in groups
             of at most this many tokens (padded ``rows × width``, or real tokens when
             ``padding_free``), longest rows first and trimmed of padding, instead of one group

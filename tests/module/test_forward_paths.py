@@ -55,6 +55,33 @@ _PLAIN = forward_module._plain_logprobs  # the reference, even where a test patc
 _PADDED = forward_module.padded_layout
 
 
+def gemma2(attn, sliding_window=64):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None,
+        sliding_window=sliding_window, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = perturbed(Gemma2ForCausalLM(config).float())
+    model.config._attn_implementation = attn
+    return model
+
+
+def granite(attn):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, logits_scaling=3.0, max_position_embeddings=64, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = perturbed(GraniteForCausalLM(config).float())
+    model.config._attn_implementation = attn
+    return model
+
+
 def run(model, batch, options=None, *, entropy_coef=0.1, loss="dapo", old_logps=None):
     """Log-probs, entropies, loss and the flat parameter gradient of one micro-step
     (``options=None``: the plain path)."""
@@ -188,16 +215,7 @@ def test_token_budget_groups_by_tokens(monkeypatch):
 
 def test_softcapping_model_matches_plain(no_plain_fallback):
     """Gemma 2: final logit soft-capping and sliding-window layers in the packed forward."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None,
-        sliding_window=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = perturbed(Gemma2ForCausalLM(config).float())
-    model.config._attn_implementation = "sdpa"
+    model = gemma2("sdpa", sliding_window=4)
     batch = make_batch()
     want = run(model, batch)
     for options in OPTIMIZED.values():
@@ -206,14 +224,7 @@ def test_softcapping_model_matches_plain(no_plain_fallback):
 
 def test_logit_scaling_model_matches_plain(no_plain_fallback):
     """Granite divides its logits by ``logits_scaling``."""
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    config = GraniteConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, logits_scaling=3.0, max_position_embeddings=64, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = perturbed(GraniteForCausalLM(config).float())
+    model = granite("sdpa")
     batch = make_batch()
     want = run(model, batch)
     assert_same(run(model, batch, OPTIMIZED["chunked+packed"]), want, batch[3])

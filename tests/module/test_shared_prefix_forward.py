@@ -14,6 +14,8 @@ from tests.module.test_forward_paths import (  # noqa: F401  (no_plain_fallback 
     TEMPERATURE,
     VOCAB,
     assert_same,
+    gemma2,
+    granite,
     no_plain_fallback,
     perturbed,
     run,
@@ -33,33 +35,6 @@ def make_grouped(groups=GROUPS, seed=0):
     batch = grouped_batch(groups, seed=seed, vocab=VOCAB)
     advantages = torch.randn(batch[0].shape[0], generator=torch.Generator().manual_seed(seed))
     return (*batch, advantages)
-
-
-def gemma2(attn, sliding_window=64):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None,
-        sliding_window=sliding_window, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = perturbed(Gemma2ForCausalLM(config).float())
-    model.config._attn_implementation = attn
-    return model
-
-
-def granite(attn):
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    config = GraniteConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, logits_scaling=3.0, max_position_embeddings=64, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = perturbed(GraniteForCausalLM(config).float())
-    model.config._attn_implementation = attn
-    return model
 
 
 MODELS = {
@@ -230,3 +205,39 @@ def test_bf16_autocast_shared_prefix_on_cuda(attn, shared_layouts):
     for g, w in zip(got[:2], want[:2]):
         torch.testing.assert_close(g[mask], w[mask], rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got[3], want[3], rtol=3e-2, atol=3e-1)
+
+
+def _layout_used(monkeypatch, model, batch, options=ForwardOptions()):
+    """The layout whose hidden states the forward computed."""
+    used = []
+    original = forward_module._hidden_states
+
+    def spy(model, parts, layout):
+        used.append(layout)
+        return original(model, parts, layout)
+
+    monkeypatch.setattr(forward_module, "_hidden_states", spy)
+    with torch.no_grad():
+        completion_logprobs(model, *batch[:4], TEMPERATURE, options=options)
+    (layout,) = used
+    return layout
+
+
+@pytest.mark.parametrize(
+    "groups, shared_wins",
+    [(((30, (5, 4, 6, 5)),), True), (((2, (60, 58, 59, 60)),), False)],
+    ids=["long-prompt-short-completions", "short-prompt-long-completions"],
+)
+def test_sharing_is_used_only_where_it_is_cheaper(monkeypatch, shared_layouts, groups, shared_wins):
+    """A shared row is as wide as a prompt plus all its completions, and mask-based attention
+    pays ``W²`` per row: with long completions the unshared rows cost less, and are used."""
+    model = tiny("llama", attn="sdpa")
+    batch = make_grouped(groups)
+    layout = _layout_used(monkeypatch, model, batch)
+    (shared,) = [s for s in shared_layouts if s is not None]
+    parts = forward_module._model_parts(model)
+    unshared = forward_module.packed_layout(*batch[:4], row_tokens=1)
+    cheaper = forward_module._layout_cost(shared, parts) < forward_module._layout_cost(unshared, parts)
+    assert cheaper == shared_wins
+    assert (layout is shared) == shared_wins
+    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
