@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Download the pure-python wheels that the GPU machine's image lacks into .gpu_wheels/.
-# trl (pinned as in the [dev] extra) and accelerate are for the ours-vs-TRL benchmark
+# pytest runs the CUDA-only tests; trl (pinned as in the [dev] extra) and accelerate are for the ours-vs-TRL benchmark
 # (benchmarks/compare_trl.py --device cuda); trl's other dependencies (pandas, pyarrow, psutil,
 # xxhash, ...) were found on the H200 image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu_wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux2014_x86_64 -d .gpu_wheels datasets dill "multiprocess" "trl==1.16.0" accelerate
+  --platform manylinux2014_x86_64 -d .gpu_wheels datasets dill "multiprocess" "trl==1.16.0" accelerate \
+  pytest pluggy iniconfig pygments
 # The real Qwen2.5 tokenizer for the benchmark (the GPU machine has no ../shared/assets):
 # gpu_check.sh points GRPO_SHARED_ASSETS at this copy.
 SHARED=${GRPO_SHARED_ASSETS:-../shared/assets}
