@@ -18,9 +18,9 @@ drifts hit every path alike; the table gives the best and median step over all r
 
 Peak memory on CPU is the rise of the process's peak RSS (``VmHWM``, reset before the measured
 steps) over the RSS just before them; on CUDA the peak of ``torch.cuda.max_memory_allocated``
-over the allocation before them. Prompts are left-padded (16–64 tokens, each repeated for
-``--generations`` consecutive rows, as GRPO samples them), completions right-padded
-(8–``--max-completion`` tokens, one row at the maximum).
+over the allocation before them. Prompts are left-padded (``--min-prompt``–``--max-prompt``
+tokens, default 16–64, each repeated for ``--generations`` consecutive rows, as GRPO samples
+them), completions right-padded (8–``--max-completion`` tokens, one row at the maximum).
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM")
 
 
-def _batch(rows: int, max_completion: int, seed: int, vocab: int, device, generations: int = 1):
+def _batch(rows: int, max_completion: int, seed: int, vocab: int, device, generations: int = 1,
+           prompt_range: tuple[int, int] = (16, 64)):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    prompt_lengths = torch.randint(16, 65, (-(-rows // generations),), generator=g)
+    prompt_lengths = torch.randint(prompt_range[0], prompt_range[1] + 1, (-(-rows // generations),), generator=g)
     prompt_lengths = prompt_lengths.repeat_interleave(generations)[:rows]  # G samples of each prompt
     completion_lengths = torch.randint(8, max_completion + 1, (rows,), generator=g)
     completion_lengths[0] = max_completion
@@ -114,7 +115,8 @@ def child(args: argparse.Namespace) -> dict:
                              logprob_token_budget=args.token_budget, train_token_budget=args.train_token_budget)
     loss_fn = get_loss("dapo")
     rows = args.rows if args.mode == "train" else args.rows * args.generation_chunks
-    batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device, args.generations)
+    prompt_range = (args.min_prompt, args.max_prompt)
+    batches = [_batch(rows, args.max_completion, 1000 + i, args.vocab, device, args.generations, prompt_range)
                for i in range(args.steps + 1)]
 
     autocast = args.autocast != "none"
@@ -191,6 +193,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="micro-batch rows (8 generations x 2 prompts)")
     parser.add_argument("--generation-chunks", type=int, default=2, help="micro-batches per generation batch (logprob)")
     parser.add_argument("--max-completion", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--token-budget", type=int, default=None, help="logprob_token_budget of every path")
@@ -220,10 +224,10 @@ def main() -> None:
         passthrough.append(arg)
     runs = [(m, p) for m in args.modes.split(",") for p in args.paths.split(",")]
     if "logprob" in args.modes.split(",") and args.token_budget is None:
-        budget = args.rows * (64 + args.max_completion) // 2
+        budget = args.rows * (args.max_prompt + args.max_completion) // 2
         runs.append(("logprob", f"chunked+packed+shared@budget={budget}"))
     if "train" in args.modes.split(","):  # a quarter of the micro-batch's tokens per part
-        budget = args.rows * (40 + args.max_completion // 2) // 4
+        budget = args.rows * ((args.min_prompt + args.max_prompt) // 2 + args.max_completion // 2) // 4
         runs.append(("train", f"chunked+packed+shared@train_budget={budget}"))
     collected: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):  # round-robin, so that load drifts hit every path alike
