@@ -20,6 +20,8 @@ Layer L0: pure torch.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from grpo_lightning.algo.packing import TokenLayout, first_fit_decreasing, is_right_padded, token_budget_groups
@@ -77,6 +79,7 @@ def shared_prefix_layout(
     max_row_tokens: int | None = None,
     additive_mask: bool = False,
     pad_token_id: int = 0,
+    accept: Callable[[int, int], bool] | None = None,
 ) -> TokenLayout | None:
     """Packed layout where rows with the same prompt share one copy of it.
 
@@ -99,6 +102,8 @@ def shared_prefix_layout(
         max_row_tokens: hard limit on a row's length (the model's sliding window), or ``None``.
         additive_mask: a float32 additive mask (``eager``) instead of a bool one (``sdpa``).
         pad_token_id: token of the unused slots.
+        accept: called with the planned ``(rows, width)`` before anything is built; ``False``
+            returns ``None`` (the caller judged the wider shared rows too costly).
 
     Two rows share the prompt ``[5, 6]``, a third has its own:
 
@@ -135,6 +140,8 @@ def shared_prefix_layout(
         capacity = min(capacity, max_row_tokens)
     bins = first_fit_decreasing(unit_len, capacity)
     num_rows, width = len(bins), max(sum(unit_len[u] for u in b) for b in bins)
+    if accept is not None and not accept(num_rows, width):
+        return None
 
     size = num_rows * width
     flat_ids = torch.full((size,), pad_token_id, dtype=c_ids.dtype)

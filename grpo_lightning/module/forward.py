@@ -152,10 +152,9 @@ def _attention_pair_cost(config: Any) -> float:
     return 4 * heads * head_dim / linear
 
 
-def _layout_cost(layout: TokenLayout, parts: _ModelParts) -> float:
-    """Decoder FLOPs of a layout, in tokens: every slot through the linear layers, plus each row's
-    dense ``W²`` attention (mask-based kernels compute every pair, masked or not)."""
-    rows, width = layout.input_ids.shape
+def _decoder_cost(rows: int, width: int, parts: _ModelParts) -> float:
+    """Decoder FLOPs of ``rows`` packed rows of ``width``, in tokens: every slot through the linear
+    layers, plus each row's dense ``W²`` attention (mask-based kernels compute every pair)."""
     return rows * width * (1.0 + width * parts.attention_pair_cost)
 
 
@@ -241,13 +240,14 @@ def _optimized_logprobs(
             impl, batch = parts.attn_implementation, (prompt_ids, prompt_mask, completion_ids, completion_mask)
             layout = packed_layout(*batch, row_tokens=row_tokens)
             if options.share_prompt_prefix and impl in _MASKED_ATTENTION and layout is not None:
-                shared = shared_prefix_layout(
-                    *batch, row_tokens=row_tokens, max_row_tokens=parts.sliding_window, additive_mask=impl == "eager"
-                )  # None: no prompt repeats
                 # A shared row is wider (prompt + all its completions): its dense attention can
                 # outweigh the prompt tokens saved (long completions, small models).
-                if shared is not None and _layout_cost(shared, parts) < _layout_cost(layout, parts):
-                    layout = shared
+                unshared_cost = _decoder_cost(*layout.input_ids.shape, parts)
+                shared = shared_prefix_layout(
+                    *batch, row_tokens=row_tokens, max_row_tokens=parts.sliding_window, additive_mask=impl == "eager",
+                    accept=lambda rows, width: _decoder_cost(rows, width, parts) < unshared_cost,
+                )  # None: no prompt repeats, or not cheaper
+                layout = shared or layout
             if layout is None:
                 _log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "

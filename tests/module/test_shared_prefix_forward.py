@@ -230,14 +230,17 @@ def _layout_used(monkeypatch, model, batch, options=ForwardOptions()):
 )
 def test_sharing_is_used_only_where_it_is_cheaper(monkeypatch, shared_layouts, groups, shared_wins):
     """A shared row is as wide as a prompt plus all its completions, and mask-based attention
-    pays ``W²`` per row: with long completions the unshared rows cost less, and are used."""
+    pays ``W²`` per row: with long completions the unshared rows cost less, and are used (the
+    shared layout is then not even built)."""
     model = tiny("llama", attn="sdpa")
     batch = make_grouped(groups)
-    layout = _layout_used(monkeypatch, model, batch)
-    (shared,) = [s for s in shared_layouts if s is not None]
     parts = forward_module._model_parts(model)
+    shared = forward_module.shared_prefix_layout(*batch[:4], row_tokens=1)
     unshared = forward_module.packed_layout(*batch[:4], row_tokens=1)
-    cheaper = forward_module._layout_cost(shared, parts) < forward_module._layout_cost(unshared, parts)
-    assert cheaper == shared_wins
-    assert (layout is shared) == shared_wins
+    cost = lambda layout: forward_module._decoder_cost(*layout.input_ids.shape, parts)  # noqa: E731
+    assert (cost(shared) < cost(unshared)) == shared_wins
+
+    layout = _layout_used(monkeypatch, model, batch)
+    assert (layout.attention_mask is not None) == shared_wins  # the shared layout carries a 4-D mask
+    assert (shared_layouts[-1] is not None) == shared_wins
     assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
