@@ -164,8 +164,10 @@ def build_model(size: Size, tokenizer):
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     hidden = m.pop("hidden_size")
     vocab = len(tokenizer)
-    if size.name == "qwen0.5b":
-        vocab = max(vocab, 151_936)  # Qwen2.5-0.5B's padded embedding size
+    if arch == "qwen2":
+        # Qwen2.5's padded embedding size, also with the built-in 32K tokenizer (no ../shared):
+        # the model keeps its size and its 151K-wide LM head, the cost that matters here.
+        vocab = max(vocab, 151_936)
     config = config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=m.pop("intermediate_size", 2 * hidden),
         num_hidden_layers=m.pop("num_layers"), num_attention_heads=m.pop("num_heads"),
