@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -109,7 +108,7 @@ def run_cli(args: list[str] | None = None) -> GRPOLightningCLI:
         save_config_callback=LogConfigToMLflow,
         save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
         seed_everything_default=42,
-        args=args if args is not None else sys.argv[1:],
+        args=args,  # None: LightningCLI reads the command line
         auto_configure_optimizers=False,
     )
 

@@ -64,6 +64,22 @@ def test_print_config_shows_defaults_and_overrides(config_file, capsys):
     assert printed["trainer"]["gradient_clip_val"] == 1.0  # TRL's max_grad_norm
 
 
+def test_reward_names_survive_the_saved_config(config_file, capsys):
+    """Built-in reward names, dotted paths and reward-model specs are written back as given, so the
+    saved ``config.yaml`` re-runs the same job."""
+    path, _ = config_file
+    rewards = ["exact_match_reward", "tests.helpers.length_reward",
+               {"class_path": "grpo_lightning.rewards.RewardModel", "init_args": {"model": "some/path"}}]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--data.reward_funcs", yaml.safe_dump(rewards, default_flow_style=True),
+              "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["reward_funcs"][:2] == rewards[:2]
+    assert printed["data"]["reward_funcs"][2]["class_path"] == "grpo_lightning.rewards.RewardModel"
+    assert printed["data"]["reward_funcs"][2]["init_args"]["model"] == "some/path"
+
+
 def test_unknown_config_key_is_named(config_file, tmp_path, capsys):
     path, _ = config_file
     config = yaml.safe_load(path.read_text())

@@ -93,7 +93,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(
         self,
         dataset: str,
-        reward_funcs: list[Callable | str],
+        reward_funcs: list[str | Callable],
         reward_weights: list[float] | None = None,
         reward_processing_classes: list[str | None] | str | None = None,
         dataset_config: str | None = None,
