@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -101,6 +102,8 @@ def _show_package_logs() -> None:
 def run_cli(args: list[str] | None = None) -> GRPOLightningCLI:
     """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object."""
     _show_package_logs()
+    # Lightning 2.6 against torch >= 2.10 warns on every run from its own code; nothing to act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     return GRPOLightningCLI(
         GRPOModule,
         RolloutDataModule,

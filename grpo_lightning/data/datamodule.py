@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 # Our stream has an exact length and always runs in the main process (num_workers=0).
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 warnings.filterwarnings("ignore", message=r"The 'train_dataloader' does not have many workers")
+# Without evaluation sets val_dataloader() returns [] on purpose (no validation loop).
+warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
 
 
 
