@@ -3,6 +3,8 @@
 1. The quickstart task on CUDA in bf16-mixed precision: the reward must rise; prints step time.
 2. Every loss type (and beta != 0, i.e. a reference model) for 2 optimizer steps on CUDA: the
    loss is finite and every parameter changes.
+3. A token-budget training pass (each micro-batch in parts, one backward each, under bf16
+   autocast): it runs and updates every parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(REPO))
 from grpo_lightning.data import RolloutDataModule  # noqa: E402
 from grpo_lightning.losses import LOSSES  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
+from grpo_lightning.module.forward_options import ForwardOptions  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
 
 CUDA = torch.cuda.is_available()  # on CPU the script still runs (a dry run of the script itself)
@@ -46,11 +49,11 @@ class StepLog(pl.Callback):
         self.times.append(time.perf_counter() - self.started)
 
 
-def fit(loss, max_steps, lr=5e-4, **data):
+def fit(loss, max_steps, lr=5e-4, forward=ForwardOptions(), **data):
     precision = "bf16-mixed" if CUDA else "32-true"
     pl.seed_everything(0)
     module = GRPOModule(MODEL, loss=loss, learning_rate=lr, lr_scheduler_type="constant", save_final_model=False,
-                        gradient_checkpointing=False)
+                        gradient_checkpointing=False, forward=forward)
     log = StepLog()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="gpu" if CUDA else "cpu", devices=1, precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -81,6 +84,11 @@ def main() -> None:
         ref_device = next(module.ref_policy.parameters()).device.type
         report[f"loss_{name}"] = {"all_params_changed": changed, "reference_on": ref_device}
         assert changed and ref_device == next(module.policy.parameters()).device.type, report
+    before = [p.detach().clone() for p in GRPOModule(MODEL, save_final_model=False).policy.parameters()]
+    module, log = fit("dapo", max_steps=2, lr=1e-2, forward=ForwardOptions(train_token_budget=256))
+    changed = all(not torch.equal(b.to(p.device), p) for b, p in zip(before, module.policy.parameters()))
+    report["train_token_budget"] = {"all_params_changed": changed, "median_step_s": round(sorted(log.times)[1], 4)}
+    assert changed, report
     print("GPU_CHECK_REPORT " + json.dumps(report))
 
 
