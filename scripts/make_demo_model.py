@@ -25,7 +25,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 

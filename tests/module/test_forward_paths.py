@@ -117,16 +117,6 @@ def assert_same(got, want, mask):
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)  # d loss / d parameters
 
 
-@pytest.fixture
-def no_plain_fallback(monkeypatch):
-    """Fail if an optimized option silently takes the plain path."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the plain path ran")
-
-    monkeypatch.setattr(forward_module, "_plain_logprobs", refuse)
-
-
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("path", list(OPTIMIZED))

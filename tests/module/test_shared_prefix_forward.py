@@ -9,15 +9,13 @@ import torch
 from grpo_lightning.module import forward as forward_module
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from tests.algo.test_shared_prefix import grouped_batch
-from tests.module.test_forward_paths import (  # noqa: F401  (no_plain_fallback is a fixture)
+from tests.module.test_forward_paths import (
     PLAIN,
     TEMPERATURE,
     VOCAB,
     assert_same,
     gemma2,
     granite,
-    no_plain_fallback,
-    perturbed,
     run,
     tiny,
 )
