@@ -4,6 +4,9 @@ Layer L0: torch and the standard library only. Rows are group-major: the ``G`` c
 prompt are consecutive, so ``rewards.view(-1, G, F)`` groups them. ``NaN`` in the reward matrix
 means "this function does not apply to this completion"; a row that is NaN everywhere is
 unscorable and gets advantage 0.
+
+The statistics are computed in float64 whatever the input dtype (results are cast back), so that
+large but finite rewards (say 1e30, whose square overflows float32) still give exact advantages.
 """
 
 from __future__ import annotations
@@ -63,9 +66,17 @@ def normalize_scale_rewards(scale_rewards: str | bool) -> str:
     return scale_rewards
 
 
+def _float64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float64 for the statistics; MPS has no float64, so those go through the CPU."""
+    if tensor.device.type == "mps":
+        tensor = tensor.cpu()
+    return tensor.double()
+
+
 def _check_inputs(
     rewards: torch.Tensor, num_generations: int, reward_weights: torch.Tensor | Sequence[float] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, F)`` float64 rewards and ``(F,)`` float64 weights, checked."""
     if rewards.dim() == 1:
         rewards = rewards.unsqueeze(1)  # a single reward source
     if rewards.dim() != 2:
@@ -77,11 +88,11 @@ def _check_inputs(
             f"The number of reward rows ({rewards.shape[0]}) is not a multiple of "
             f"num_generations={num_generations}: rows must be whole groups, group-major."
         )
-    rewards = rewards.float()
+    rewards = _float64(rewards)
     if reward_weights is None:
-        weights = torch.ones(rewards.shape[1], dtype=torch.float32, device=rewards.device)
+        weights = torch.ones(rewards.shape[1], dtype=torch.float64, device=rewards.device)
     else:
-        weights = torch.as_tensor(reward_weights, dtype=torch.float32, device=rewards.device)
+        weights = _float64(torch.as_tensor(reward_weights)).to(rewards.device)
         if weights.shape != (rewards.shape[1],):
             raise ValueError(
                 f"reward_weights has {weights.numel()} entries but there are {rewards.shape[1]} reward "
@@ -124,7 +135,9 @@ def compute_advantages_with_stats(
             f"multi_objective_aggregation={multi_objective_aggregation!r} is not valid. Choose one of "
             f"{list(AGGREGATION_CHOICES)}."
         )
-    rewards, weights = _check_inputs(rewards, num_generations, reward_weights)
+    device = rewards.device
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    rewards, weights = _check_inputs(rewards, num_generations, reward_weights)  # float64
     n, f = rewards.shape
     g = num_generations
     unscorable = torch.isnan(rewards).all(dim=1)  # (N,)
@@ -157,7 +170,10 @@ def compute_advantages_with_stats(
     zero_std = torch.isclose(std, torch.zeros_like(std))
     advantages = torch.nan_to_num(advantages, nan=0.0)
     return AdvantageResult(
-        advantages=advantages, weighted_rewards=weighted, zero_std=zero_std, unscorable=unscorable
+        advantages=advantages.to(device=device, dtype=dtype),
+        weighted_rewards=weighted.to(device=device, dtype=dtype),
+        zero_std=zero_std.to(device),
+        unscorable=unscorable.to(device),
     )
 
 
@@ -202,13 +218,14 @@ def reward_metrics(
         rewards = rewards.unsqueeze(1)
     if len(names) != rewards.shape[1]:
         raise ValueError(f"Got {len(names)} reward names for {rewards.shape[1]} reward columns.")
-    rewards = rewards.float()
+    rewards = _float64(rewards)  # a std of large rewards overflows float32
+    weighted = _float64(result.weighted_rewards)
     metrics: dict[str, float] = {}
     for i, name in enumerate(names):
         metrics[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, i]))
         metrics[f"rewards/{name}/std"] = float(nanstd(rewards[:, i]))
-    metrics["reward"] = float(torch.nanmean(result.weighted_rewards))
-    metrics["reward_std"] = float(nanstd(result.weighted_rewards))
+    metrics["reward"] = float(torch.nanmean(weighted))
+    metrics["reward_std"] = float(nanstd(weighted))
     metrics["frac_reward_zero_std"] = (
         float(result.zero_std.float().mean()) if result.zero_std.numel() else math.nan
     )

@@ -172,7 +172,7 @@ class RewardRunner:
                     f"reward function '{rf.name}' returned an awaitable but is not declared "
                     "`async def`; declare the function (or its __call__) `async def`."
                 )
-            rewards[:, col] = _to_column(rf.name, output, n)
+            rewards[:, col] = _to_column(rf.name, output, n, is_model=isinstance(rf.func, RewardModel))
 
         if async_items:
 
@@ -249,8 +249,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real)
 
 
-def _to_column(name: str, output: Any, n: int) -> torch.Tensor:
-    """Check one reward function's return value and convert it to a ``(n,)`` float32 column."""
+def _to_column(name: str, output: Any, n: int, is_model: bool = False) -> torch.Tensor:
+    """Check one reward function's return value and convert it to a ``(n,)`` float32 column.
+
+    ``None`` becomes NaN ("not applicable"); a NaN or infinite return is an error, never a silent
+    "not applicable" or an infinite advantage.
+    """
     if isinstance(output, torch.Tensor):
         if output.dim() != 1:
             raise ValueError(
@@ -288,4 +292,27 @@ def _to_column(name: str, output: Any, n: int) -> torch.Tensor:
                 f"reward function '{name}' returned {value!r} ({type(value).__name__}) at index "
                 f"{i}; each reward must be a real number, or None when it does not apply."
             )
+        if value is not None:
+            _check_finite(name, i, values[-1], is_model)
     return torch.tensor(values, dtype=torch.float32)
+
+
+def _check_finite(name: str, row: int, value: float, is_model: bool) -> None:
+    """Rewards are kept in float32: NaN, ±inf and values beyond its range are errors."""
+    if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
+        return
+    problem = f"{value!r}" if not math.isfinite(value) else f"{value!r}, beyond the float32 range (±3.4e38)"
+    if is_model:
+        raise ValueError(
+            f"reward model '{name}' scored row {row} as {problem}: its logits are not finite. Check "
+            "the model's weights and dtype (fp16 overflows easily; try model_init_kwargs: {dtype: "
+            "float32} or bfloat16)."
+        )
+    raise ValueError(
+        f"reward function '{name}' returned {problem} for row {row}: rewards must be finite "
+        "numbers. Return None (not NaN) for a completion the reward does not apply to, and clip "
+        "or rescale unbounded scores."
+    )
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)

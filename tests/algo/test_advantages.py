@@ -125,6 +125,31 @@ def test_scale_none_does_not_divide():
     assert compute_advantages(r, 2, scale_rewards="none").tolist() == [-2.0, 2.0]
 
 
+@pytest.mark.parametrize(("aggregation", "scale"), list(GOLDEN), ids=["/".join(k) for k in GOLDEN])
+def test_huge_finite_rewards_give_the_same_advantages_as_scaled_ones(aggregation, scale):
+    # 1e30 squared overflows float32: the statistics must not, or every advantage becomes 0 (or NaN).
+    # Reference: the same rewards scaled by 1e6, where float32 is exact enough and the 1e-4 std
+    # epsilon is negligible; advantages are scale-free except with scale_rewards="none".
+    small = torch.tensor([[1.0], [0.0], [3.0], [2.0], [5.0], [1.0], [0.5], [4.0]])
+    huge = compute_advantages_with_stats(small * 1e30, 4, None, scale, aggregation)
+    reference = compute_advantages_with_stats(small * 1e6, 4, None, scale, aggregation)
+    assert huge.advantages.dtype == torch.float32 and huge.advantages.abs().min() > 0
+    unit = 1e30 / 1e6 if (aggregation, scale) == ("sum_then_normalize", "none") else 1.0
+    assert (huge.advantages / unit).tolist() == pytest.approx(reference.advantages.tolist(), rel=1e-5)
+    assert huge.zero_std.tolist() == reference.zero_std.tolist()
+    metrics = reward_metrics(small * 1e30, ["r"], huge)
+    assert metrics["rewards/r/std"] == pytest.approx(float(nanstd(small[:, 0].double())) * 1e30, rel=1e-6)
+    assert math.isfinite(metrics["reward_std"])
+
+
+def test_results_keep_the_input_dtype():
+    r = torch.tensor([[1.0], [0.0], [3.0], [2.0]])
+    assert compute_advantages(r.double(), 2).dtype == torch.float64
+    assert compute_advantages(r.bfloat16(), 2).dtype == torch.bfloat16
+    assert compute_advantages(r.long(), 2).dtype == torch.float32
+    assert compute_advantages_with_stats(r, 2).weighted_rewards.dtype == torch.float32
+
+
 # ---- stats helpers --------------------------------------------------------------------------------
 def test_nanstd_is_unbiased_and_nan_below_two_values():
     assert nanstd(torch.tensor([1.0, 2.0, 3.0, NAN])).item() == pytest.approx(1.0)

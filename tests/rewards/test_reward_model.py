@@ -204,5 +204,21 @@ def test_plain_module_with_logits(tok) -> None:
     assert rf.func(PROMPTS, COMPLETIONS) == [float(len(p + c)) for p, c in zip(PROMPTS, COMPLETIONS)]
     with pytest.raises(ValueError, match="has no tokenizer"):
         RewardModel(Scorer())
+
+
+def test_reward_model_with_non_finite_logits_is_an_error(tok) -> None:
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            logits = torch.zeros(input_ids.shape[0], 1) + self.dummy
+            logits[1] = float("nan")
+            return SimpleNamespace(logits=logits)
+
+    runner = RewardRunner(resolve_reward_funcs([Broken()], [tok]))
+    with pytest.raises(ValueError, match=r"reward model 'Broken' scored row 1 as nan.*dtype"):
+        runner.score(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4)
     with pytest.raises(TypeError, match="path/Hub id or an nn.Module"):
         RewardModel(42)  # type: ignore[arg-type]

@@ -137,6 +137,38 @@ def test_bad_returns(value, exc, pattern) -> None:
         _score([bad])
 
 
+@pytest.mark.parametrize(
+    "value",
+    [float("nan"), float("inf"), -float("inf"), np.float32("nan"), torch.tensor(float("inf")), 1e39],
+    ids=["nan", "inf", "-inf", "numpy-nan", "tensor-inf", "beyond-float32"],
+)
+def test_non_finite_reward_is_an_error_naming_function_row_and_value(value) -> None:
+    def unbounded(completions, **kwargs):
+        return [1.0, 0.0, value, 1.0]
+
+    with pytest.raises(ValueError, match=r"reward function 'unbounded' returned .*(nan|inf|1e\+39).* for row 2") as err:
+        _score([unbounded])
+    assert "Return None (not NaN)" in str(err.value)
+
+
+def test_non_finite_tensor_and_async_returns_are_errors_too() -> None:
+    def as_tensor(completions, **kwargs):
+        return torch.tensor([0.0, float("nan"), 0.0, 0.0])
+
+    async def as_async(completions, **kwargs):
+        return [0.0, 0.0, 0.0, float("-inf")]
+
+    with pytest.raises(ValueError, match=r"'as_tensor' returned nan for row 1"):
+        _score([as_tensor])
+    with pytest.raises(ValueError, match=r"'as_async' returned -inf for row 3"):
+        _score([as_async])
+
+
+def test_huge_finite_rewards_are_accepted() -> None:
+    out = _score([lambda completions, **kw: [1e30, -1e30, 3e38, 0.0]])
+    assert out.rewards[:, 0].tolist() == pytest.approx([1e30, -1e30, 3e38, 0.0], rel=1e-6)
+
+
 def test_bad_async_return_and_sync_returning_coroutine() -> None:
     async def bad_async(**kwargs):
         return [1.0]
