@@ -16,6 +16,21 @@ class EvalRef:
     name: str  # "" for a single eval set, else the set's key
     step: int
     prompt_indices: tuple[int, ...]  # unique prompts of this rank, in dataset order
+    # Per prompt slot: True when it repeats a prompt only so every rank has as many (the wrapped
+    # end of the set with several ranks); such prompts are generated but count in no metric.
+    repeats: tuple[bool, ...] = ()
+
+    def rows(self, num_generations: int) -> tuple[list[int], list[bool]]:
+        """The dataset row of every completion (each prompt ``num_generations`` times) and
+        whether it counts.
+
+        >>> EvalRef("", 2, (4, 0), (False, True)).rows(2)
+        ([4, 4, 0, 0], [True, True, False, False])
+        """
+        repeats = self.repeats or (False,) * len(self.prompt_indices)
+        row_ids = [i for i in self.prompt_indices for _ in range(num_generations)]
+        counts = [not r for r in repeats for _ in range(num_generations)]
+        return row_ids, counts
 
 
 @dataclass(frozen=True)
@@ -24,7 +39,8 @@ class EvalPlan:
 
     Every rank scores ``prompts_per_rank`` unique prompts x ``num_generations`` completions per
     step. With several ranks the last step wraps around to the start of the set so every rank
-    has the same number of prompts (as ``DistributedSampler`` does).
+    has the same number of prompts and shapes (as ``DistributedSampler`` does); the wrapped
+    prompts are marked by :meth:`repeats` and count in no metric, so each prompt counts once.
     """
 
     num_rows: int
@@ -51,6 +67,16 @@ class EvalPlan:
             return tuple(range(start, min(start + self.prompts_per_rank, self.num_rows)))
         return tuple(i % self.num_rows for i in range(start, start + self.prompts_per_rank))
 
+    def repeats(self, step: int, rank: int) -> tuple[bool, ...]:
+        """Per prompt of :meth:`indices`: True when it wrapped around (a repeat that does not count).
+
+        >>> plan = EvalPlan(num_rows=5, prompts_per_rank=1, world_size=2)
+        >>> plan.repeats(2, 0), plan.repeats(2, 1)
+        ((False,), (True,))
+        """
+        start = step * self.prompts_per_rank * self.world_size + rank * self.prompts_per_rank
+        return tuple(start + j >= self.num_rows for j in range(len(self.indices(step, rank))))
+
 
 class EvalStream(IterableDataset):
     """Yields the :class:`EvalRef` of every validation step of one evaluation set."""
@@ -60,7 +86,7 @@ class EvalStream(IterableDataset):
 
     def __iter__(self) -> Iterator[EvalRef]:
         for step in range(self.plan.num_steps):
-            yield EvalRef(self.name, step, self.plan.indices(step, self.rank))
+            yield EvalRef(self.name, step, self.plan.indices(step, self.rank), self.plan.repeats(step, self.rank))
 
     def __len__(self) -> int:
         return self.plan.num_steps

@@ -72,6 +72,58 @@ def tokenize_prompt(
     return list(ids)
 
 
+def check_context_length(
+    prompts: Sequence[Any],
+    row_ids: Sequence[int],
+    tokenizer: Any,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    max_completion_length: int,
+    max_context_length: int | None,
+) -> None:
+    """Raise when a prompt plus ``max_completion_length`` tokens exceeds the model's context.
+
+    Each distinct prompt (consecutive equal ``row_ids`` are one prompt) is tokenized as the
+    sampler will see it. Generating past the context length only earns a transformers warning
+    and then garbage (or an index error deep inside the model), so it is an error here.
+
+    Args:
+        prompts: One prompt per row.
+        row_ids: The dataset row of each prompt (named in the error).
+        tokenizer: The policy's tokenizer.
+        chat_template_kwargs: As for :func:`tokenize_prompt`.
+        max_completion_length: ``data.generation.max_completion_length``.
+        max_context_length: The model's context (``max_position_embeddings``); ``None`` skips the check.
+
+    Raises:
+        ValueError: Naming the first rows that do not fit, their lengths and the fixes.
+    """
+    if not max_context_length:
+        return
+    budget = max_context_length - max_completion_length
+    too_long: dict[int, int] = {}
+    for i, prompt in enumerate(prompts):
+        if (i > 0 and row_ids[i] == row_ids[i - 1]) or row_ids[i] in too_long:
+            continue
+        length = len(tokenize_prompt(prompt, tokenizer, chat_template_kwargs))
+        if length > budget:
+            too_long[row_ids[i]] = length
+    if not too_long:
+        return
+    shown = ", ".join(f"row {row} ({length} tokens)" for row, length in list(too_long.items())[:5])
+    longest = max(too_long.values())
+    fix = (
+        f"lower data.generation.max_completion_length to at most {max_context_length - longest}, or filter "
+        if longest < max_context_length
+        else "filter "
+    )
+    raise ValueError(
+        f"{len(too_long)} prompt(s) are too long for the model: {shown}; with "
+        f"data.generation.max_completion_length={max_completion_length} they exceed the model's context of "
+        f"{max_context_length} tokens (max_position_embeddings). Fix: {fix}the dataset's long prompts out "
+        "(e.g. dataset.filter on the prompt length) before training."
+    )
+
+
 def decode_completions(
     completion_ids: Sequence[Sequence[int]], tokenizer: Any, conversational: bool
 ) -> list[Any]:

@@ -13,10 +13,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpo_lightning.algo.advantages import compute_advantages_with_stats, reward_metrics
+from grpo_lightning.algo.advantages import AdvantageResult, compute_advantages_with_stats, reward_metrics
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
-from grpo_lightning.data.prompt_format import decode_completions, tokenize_prompt
+from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
+from grpo_lightning.data.prompt_format import check_context_length, decode_completions, tokenize_prompt
 from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sources import is_conversational
 from grpo_lightning.rewards.runner import RewardRunner
@@ -103,30 +104,40 @@ class RolloutBuilder:
 
     def build(
         self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], generator: torch.Generator | None,
-        trainer_state: Any = None,
+        trainer_state: Any = None, counts: Sequence[bool] | None = None,
     ) -> GenerationBatch:
-        """``rows``: this rank's dataset rows, one per completion (already repeated G times)."""
+        """``rows``: this rank's dataset rows, one per completion (already repeated G times).
+
+        ``counts``: per row, whether it counts; ``None`` = all do. A row that does not count (an
+        evaluation row repeated only to keep ranks in step) is generated but never scored, left
+        out of every metric and the advantage statistics, and has advantage 0 and an empty loss
+        mask. Whole groups must agree, and every rank must pass ``counts`` or none.
+        """
         started = time.perf_counter()
         s, tokenizer, device = self.settings, self.handle.tokenizer, self.handle.device
         prompts = [row["prompt"] for row in rows]
+        check_context_length(
+            prompts, row_ids, tokenizer, s.chat_template_kwargs, s.params.max_completion_length,
+            getattr(self.handle, "max_context_length", None),  # None: the model states no limit
+        )
         rollouts = self._generate(prompts, row_ids)
         completion_ids = [r.completion_ids for r in rollouts]
         conversational = is_conversational(prompts[0])
         completions = decode_completions(completion_ids, tokenizer, conversational)
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        scores = self.rewards.score(
-            prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns,
-            trainer_state=trainer_state,
+        scores = score_counted_rows(
+            self.rewards, counts, prompts=prompts, completions=completions, completion_ids=completion_ids,
+            columns=columns, trainer_state=trainer_state,
         )
 
         # Group statistics need every rank's rewards (a group may straddle two ranks).
         global_rewards = self.collective.gather_rows(scores.rewards.to(device))  # (N, F)
-        stats = compute_advantages_with_stats(
-            global_rewards, s.num_generations, self.rewards.weights.to(device),
-            s.scale_rewards, s.multi_objective_aggregation,
-        )
+        counted = None if counts is None else self.collective.gather_rows(torch.tensor(counts, device=device).float()) > 0
+        advantages, stats = self._advantages(global_rewards, counted)  # (N,), stats of counted rows
         local = slice(self.collective.rank * len(rows), (self.collective.rank + 1) * len(rows))
-        batch = self._pad(rollouts, stats.advantages[local], device)
+        batch = self._pad(rollouts, advantages[local], device)
+        if counted is not None:
+            exclude_rows(batch, ~counted[local])
         loss_mask = batch.loss_mask
         # Loss tokens per optimizer step over all ranks: one generation batch covers S micro-steps
         # and an optimizer step GA of them (the dapo/cispo/vespo normaliser, TRL 1.16).
@@ -138,13 +149,30 @@ class RolloutBuilder:
         if self.handle.needs_reference_logprobs:
             batch.ref_logps = self.handle.rollout_logprobs(batch, reference=True, chunk_size=chunk)
 
-        metrics, num_tokens = self._metrics(rollouts, batch, global_rewards, scores, stats)
+        metrics, num_tokens = self._metrics(rollouts, batch, global_rewards, scores, stats, counted)
         micro_batches = shuffle_and_split(batch, s.plan.steps_per_generation, generator)
         micro_batches[0] = replace(
             micro_batches[0], generation_metrics=metrics, prepare_seconds=time.perf_counter() - started
         )
-        table = self._table(rollouts, scores, stats.advantages[local]) if self.collect_table else None
+        table = self._table(rollouts, scores, advantages[local]) if self.collect_table else None
         return GenerationBatch(micro_batches, num_tokens, table)
+
+    def _advantages(
+        self, global_rewards: torch.Tensor, counted: torch.Tensor | None
+    ) -> tuple[torch.Tensor, AdvantageResult]:
+        """``(N,)`` advantages (0 for rows that do not count) and the statistics of counted rows,
+        computed over the counted rows alone (so a batch-wide std never sees repeated rows)."""
+        s = self.settings
+        rewards = global_rewards if counted is None else global_rewards[counted]
+        stats = compute_advantages_with_stats(
+            rewards, s.num_generations, self.rewards.weights.to(rewards.device), s.scale_rewards,
+            s.multi_objective_aggregation,
+        )
+        if counted is None:
+            return stats.advantages, stats
+        advantages = torch.zeros(len(global_rewards), dtype=stats.advantages.dtype, device=global_rewards.device)
+        advantages[counted] = stats.advantages
+        return advantages, stats
 
     def _table(self, rollouts: list[Rollout], scores: Any, advantages: torch.Tensor) -> CompletionTable:
         tokenizer = self.handle.tokenizer
@@ -217,8 +245,10 @@ class RolloutBuilder:
         return torch.tensor([not r.completion_ids or r.completion_ids[-1] not in done for r in rollouts])
 
     def _metrics(
-        self, rollouts: list[Rollout], batch: RolloutBatch, global_rewards: torch.Tensor, scores: Any, stats: Any
+        self, rollouts: list[Rollout], batch: RolloutBatch, global_rewards: torch.Tensor, scores: Any, stats: Any,
+        counted: torch.Tensor | None = None,
     ) -> tuple[dict[str, float], int]:
+        """Generation-side metrics over the rows that count (``counted``, ``(N,)`` bool; all if None)."""
         device = batch.advantages.device
         # Lengths count policy tokens only (tool-inserted tokens excluded), masked or not.
         local_lengths = torch.tensor(
@@ -227,6 +257,8 @@ class RolloutBuilder:
         )
         lengths = self.collective.gather_rows(local_lengths)
         truncated = self.collective.gather_rows(self._truncated(rollouts).float().to(device)).bool()
+        if counted is not None:
+            lengths, truncated, global_rewards = lengths[counted], truncated[counted], global_rewards[counted]
         metrics = completion_metrics(lengths.cpu(), truncated.cpu())
         metrics.update(reward_metrics(global_rewards.cpu(), scores.names, stats))
         # Completions that no reward function applies to get advantage 0 (spec §2.3).
@@ -237,13 +269,24 @@ class RolloutBuilder:
             if missing[:, column].all() and name not in self._warned_all_none:
                 self._warned_all_none.add(name)
                 log.warning(
-                    "reward function %r returned None (or NaN) for every completion of a generation batch: "
+                    "reward function %r returned None for every completion of a generation batch: "
                     "it shapes no advantage. If that is not intended, check that it reads the right dataset "
                     "columns (rewards/%s/frac_none tracks this).", name, name,
                 )
-        for name, values in sorted(scores.logged_metrics.items()):
-            local_mean = torch.tensor([sum(values) / max(len(values), 1)], device=device)
-            metrics[name] = self.collective.gather_rows(local_mean).mean().item()
+        metrics.update(self._logged_metrics(scores.logged_metrics, device))
         local_tokens = batch.prompt_mask.sum() + local_lengths.sum()
         num_tokens = int(self.collective.gather_rows(local_tokens.reshape(1).float()).sum().item())
         return metrics, num_tokens
+
+    def _logged_metrics(self, logged: dict[str, list[float]], device: torch.device) -> dict[str, float]:
+        """``log_metric`` values: the mean of every value pushed on any rank, each value counted
+        once (TRL 1.16 gathers ``(sum, count)`` per name). Names are gathered first, in sorted
+        order, so that every rank reduces the same names even if it logged none of them."""
+        names = sorted(set(self.collective.gather_objects(sorted(logged))))
+        if not names:
+            return {}
+        local = torch.tensor(
+            [[sum(logged.get(n, [])), len(logged.get(n, []))] for n in names], dtype=torch.float32, device=device
+        )  # (M, 2)
+        totals = self.collective.gather_rows(local.unsqueeze(0)).sum(0)  # (P, M, 2) -> (M, 2)
+        return {n: total / count if count else float("nan") for n, (total, count) in zip(names, totals.tolist())}
