@@ -183,7 +183,9 @@ def load_prompt_dataset(
             raise ValueError(f"dataset {label} is empty: it has no rows to train on.")
         columns = list(first)
     if prompt_template is not None:
-        return _apply_template(dataset, prompt_template, list(columns), label)
+        dataset = _apply_template(dataset, prompt_template, list(columns), label)
+        _check_prompts(dataset, label, f"rendered by data.prompt_template={prompt_template!r}")
+        return dataset
     if prompt_column not in columns:
         hint = "" if prompt_column != "prompt" else " (for example data.prompt_column: question)"
         raise ValueError(
@@ -201,7 +203,61 @@ def load_prompt_dataset(
         dataset = dataset.rename_column(prompt_column, "prompt")
     if isinstance(dataset, datasets.Dataset) and len(dataset) == 0:
         raise ValueError(f"dataset {label} is empty: it has no rows to train on.")
+    _check_prompts(dataset, label, f"in column '{prompt_column}' (data.prompt_column)")
     return dataset
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why ``prompt`` cannot be a prompt, or ``None`` when it can.
+
+    A prompt is non-empty text, or a non-empty list of ``{"role": str, "content": ...}``
+    messages (an assistant message may carry ``tool_calls`` instead of content).
+
+    >>> prompt_problem("2+2="), prompt_problem([{"role": "user", "content": "hi"}])
+    (None, None)
+    >>> prompt_problem(None), prompt_problem("  "), prompt_problem([{"content": "hi"}])
+    ('null', 'empty text', 'message 0 is not a {"role": ..., "content": ...} dict')
+    """
+    if prompt is None:
+        return "null"
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "empty text"
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            return "an empty message list"
+        for i, message in enumerate(prompt):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and (message.get("content") is not None or message.get("tool_calls"))
+            ):
+                return f'message {i} is not a {{"role": ..., "content": ...}} dict'
+        return None
+    return f"{type(prompt).__name__} value, neither text nor a list of messages"
+
+
+def _check_prompts(dataset: Any, label: str, where: str, shown: int = 5) -> None:
+    """Check every prompt once, at load, so a bad row cannot crash a run when it is drawn.
+
+    Streamed datasets are not read ahead; their rows are checked when drawn.
+    """
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset):
+        return
+    bad = []
+    for index, prompt in enumerate(dataset["prompt"]):
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            bad.append(f"row {index}: {problem}")
+    if bad:
+        more = f" (and {len(bad) - shown} more)" if len(bad) > shown else ""
+        raise ValueError(
+            f"dataset {label} has {len(bad)} unusable prompt(s) {where}: {'; '.join(bad[:shown])}{more}. "
+            "A prompt must be non-empty text or a non-empty list of {\"role\": ..., \"content\": ...} "
+            "messages: fix or drop those rows (e.g. dataset.filter), or point data.prompt_column / "
+            "data.prompt_template at the right column."
+        )
 
 
 def _apply_template(dataset: Any, template: str, columns: list[str], label: str) -> Any:
@@ -223,4 +279,4 @@ def _apply_template(dataset: Any, template: str, columns: list[str], label: str)
     return dataset.map(lambda row: {"prompt": template.format(**row)})
 
 
-__all__ = ["FILE_BUILDERS", "is_conversational", "load_prompt_dataset"]
+__all__ = ["FILE_BUILDERS", "is_conversational", "load_prompt_dataset", "prompt_problem"]

@@ -172,3 +172,32 @@ def test_prompt_template_builds_the_prompt_column(tmp_path):
     assert dataset[0]["prompt"] == "Use [3, 5, 7] to make 22." and dataset[0]["target"] == 22
     with pytest.raises(ValueError, match=r"data\.prompt_template uses \['goal'\]"):
         load_prompt_dataset(str(path), prompt_template="Make {goal}")
+
+
+def test_bad_prompts_are_found_at_load_naming_rows_and_column(tmp_path: Path, cache: str) -> None:
+    rows = [{"question": q} for q in ["1+1=", None, "2+2=", "", "3+3=", "   "]]
+    path = _write_jsonl(tmp_path / "q.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        load_prompt_dataset(str(path), prompt_column="question", cache_dir=cache)
+    message = str(err.value)
+    assert "3 unusable prompt(s) in column 'question' (data.prompt_column)" in message
+    assert "row 1: null; row 3: empty text; row 5: empty text" in message and "filter" in message
+
+
+def test_bad_conversational_prompts_are_found_at_load(tmp_path: Path, cache: str) -> None:
+    good = [{"role": "user", "content": "hi"}]
+    rows = [{"prompt": p} for p in [good, [], [{"role": "user", "content": None}], good]]
+    with pytest.raises(ValueError, match=r"row 1: an empty message list; row 2: message 0 is not a"):
+        load_prompt_dataset(str(_write_jsonl(tmp_path / "c.jsonl", rows)), cache_dir=cache)
+    numbers = _write_jsonl(tmp_path / "n.jsonl", [{"prompt": 1}, {"prompt": 2}])
+    with pytest.raises(ValueError, match=r"row 0: int value, neither text nor a list of messages"):
+        load_prompt_dataset(str(numbers), cache_dir=cache)
+
+
+def test_a_template_rendering_empty_prompts_is_reported(tmp_path: Path, cache: str) -> None:
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"q": "1+1="}, {"q": ""}])
+    with pytest.raises(ValueError, match=r"rendered by data.prompt_template='\{q\}': row 1: empty text"):
+        load_prompt_dataset(str(path), prompt_template="{q}", cache_dir=cache)
+    many = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": ""}] * 8)
+    with pytest.raises(ValueError, match=r"row 4: empty text \(and 3 more\)"):
+        load_prompt_dataset(str(many), cache_dir=cache)
