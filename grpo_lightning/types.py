@@ -187,6 +187,37 @@ class CompletionTable:
         return len(next(iter(self.columns.values()), []))
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """Training progress, passed to reward functions as ``trainer_state``.
+
+    Reward functions written for TRL read HF's ``TrainerState`` (for curricula or reward shaping by
+    progress); these are the attributes they use, with the same meaning. A fresh one is built for
+    every generation batch (training and evaluation).
+
+    Attributes:
+        global_step: Optimizer steps taken so far (``trainer.global_step``).
+        epoch: Epochs done as a float, like HF's ``state.epoch``: completed epochs plus the
+            fraction of the current one (micro-steps trained / micro-steps per epoch).
+        max_steps: Optimizer steps planned for the run: ``trainer.max_steps``, or, when that is -1,
+            Lightning's ``estimated_stepping_batches`` (from ``max_epochs``); ``math.inf`` when the
+            run is unbounded. In a run without training (``grpo validate``): ``trainer.max_steps``,
+            or ``math.inf`` when it is -1.
+        num_train_epochs: Epochs planned: enough epochs to take ``max_steps`` optimizer steps
+            (HF's rule), else ``trainer.max_epochs``; ``math.inf`` when unbounded.
+        is_world_process_zero: True on the global rank-0 process (log from one process only).
+        trainer: The Lightning ``Trainer`` itself, for anything else (``current_epoch``,
+            ``callback_metrics``, ``loggers``, ...).
+    """
+
+    global_step: int
+    epoch: float
+    max_steps: int | float
+    num_train_epochs: int | float
+    is_world_process_zero: bool
+    trainer: Any = field(default=None, repr=False, compare=False)
+
+
 @runtime_checkable
 class PolicyHandle(Protocol):
     """What the data side and samplers may use of the live policy (the module implements it).

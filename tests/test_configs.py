@@ -69,12 +69,46 @@ def test_loss_by_short_class_name_and_by_name(tmp_path):
         assert cli.config.model.loss
 
 
+# The columns of the Hub datasets the recipes train on: the datamodule loads its datasets and
+# checks the reward functions against their columns when it is built.
+HUB_COLUMNS = {
+    "openai/gsm8k": {"question": "1+1?", "answer": "1+1=2 #### 2"},
+    "Jiayi-Pan/Countdown-Tasks-3to4": {"target": 7, "nums": [3, 4]},
+    "DigitalLearningGmbH/MATH-lighteval": {"problem": "1+1?", "level": "Level 1", "type": "Algebra",
+                                           "solution": "$\\boxed{2}$"},
+    "HuggingFaceH4/MATH-500": {"problem": "1+1?", "solution": "$\\boxed{2}$", "answer": "2", "subject": "Algebra",
+                               "level": 1, "unique_id": "a"},
+}
+
+
+def offline_hub(tmp_path):
+    """``load_prompt_dataset`` that serves the recipes' Hub datasets as one-row local files with
+    their real columns (local paths load as usual)."""
+    import json
+
+    from grpo_lightning.data import prompt_sets
+
+    real = prompt_sets.load_prompt_dataset
+
+    def load(path_or_name, **kwargs):
+        if path_or_name not in HUB_COLUMNS:
+            return real(path_or_name, **kwargs)
+        local = tmp_path / (path_or_name.replace("/", "_") + ".jsonl")
+        local.write_text(json.dumps(HUB_COLUMNS[path_or_name]) + "\n")
+        return real(str(local), **{**kwargs, "name": None, "data_files": None})
+
+    return load
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_config_instantiates_with_a_local_model(config, tmp_path, monkeypatch):
-    """Rewards, losses, samplers and callbacks of every recipe resolve (the hub model and the
-    GPU are swapped for a tiny local model on CPU; nothing is downloaded or trained)."""
+    """Rewards, losses, samplers and callbacks of every recipe resolve and fit its dataset's
+    columns (the hub model and the GPU are swapped for a tiny local model on CPU, the Hub datasets
+    for one-row files with their columns; nothing is downloaded or trained)."""
+    from grpo_lightning.data import prompt_sets
     from tests.helpers import make_model_dir
 
+    monkeypatch.setattr(prompt_sets, "load_prompt_dataset", offline_hub(tmp_path))
     monkeypatch.chdir(config.parents[1])
     cli = GRPOLightningCLI(
         GRPOModule, RolloutDataModule, trainer_defaults=TRAINER_DEFAULTS, save_config_callback=LogConfigToMLflow,

@@ -13,10 +13,11 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
 from grpo_lightning.data.micro_steps import MicroStepRef, MicroStepSchedule, MicroStepStream
-from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, plan_generation_batches
+from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
+from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
 from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, run_summary
-from grpo_lightning.data.sources import load_prompt_dataset
+from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.rewards.loading import resolve_reward_funcs
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers import Sampler, get_sampler
@@ -51,6 +52,11 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_weights: One weight per reward function (default: all 1.0).
         reward_processing_classes: Tokenizers of the reward models: one per reward function
             (``null`` for functions and for a model's own tokenizer) or one for all.
+        reward_model_init_kwargs: ``from_pretrained`` arguments of reward models given as a path
+            or Hub id (e.g. ``{dtype: bfloat16, revision: main}``; TRL's ``model_init_kwargs``).
+            A ``RewardModel`` entry has its own ``model_init_kwargs``.
+        reward_trust_remote_code: Allow custom code for reward models given as a path or Hub id
+            and their tokenizers (TRL's ``trust_remote_code``, which also covers reward models).
         dataset_config: Configuration name of a hub dataset.
         split: Dataset split to train on.
         data_files: Data files for a hub-style or builder dataset.
@@ -66,7 +72,9 @@ class RolloutDataModule(pl.LightningDataModule):
             ``accumulate_grad_batches``, so one optimizer step uses one generation batch).
         num_iterations: Times each generation batch is replayed (PPO-style epochs, ``mu``).
         shuffle_dataset: Shuffle prompts each epoch (seeded).
-        seed: Seed of the prompt order and of the micro-batch shuffling.
+        seed: Seed of the prompt order and of the micro-batch shuffling. Default: the global
+            seed that Lightning's ``seed_everything`` set (``PL_GLOBAL_SEED``; the CLI's
+            ``seed_everything``), else 42.
         generation: Sampling settings shared by all samplers (``max_completion_length``,
             ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
             ``generation_kwargs``).
@@ -98,6 +106,8 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_funcs: list[str | Callable],
         reward_weights: list[float] | None = None,
         reward_processing_classes: list[str | None] | str | None = None,
+        reward_model_init_kwargs: dict[str, Any] | None = None,
+        reward_trust_remote_code: bool = False,
         dataset_config: str | None = None,
         split: str = "train",
         data_files: str | list[str] | None = None,
@@ -109,7 +119,7 @@ class RolloutDataModule(pl.LightningDataModule):
         steps_per_generation: int | None = None,
         num_iterations: int = 1,
         shuffle_dataset: bool = True,
-        seed: int = 42,
+        seed: int | None = None,
         generation: GenerationParams = GenerationParams(),
         sampler: str | Sampler = "hf_generate",
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -137,7 +147,11 @@ class RolloutDataModule(pl.LightningDataModule):
         # World-size-independent checks now, before any model work (the full plan in setup()).
         check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
         self.rewards = RewardRunner(
-            resolve_reward_funcs(reward_funcs, reward_processing_classes), reward_weights,
+            resolve_reward_funcs(
+                reward_funcs, reward_processing_classes, model_init_kwargs=reward_model_init_kwargs,
+                trust_remote_code=reward_trust_remote_code,
+            ),
+            reward_weights,
             chat_template_kwargs=chat_template_kwargs,
         )
         self.sampler = get_sampler(sampler)
@@ -172,13 +186,16 @@ class RolloutDataModule(pl.LightningDataModule):
                        prompt_template=prompt_template)
             for name, source in sets.items()
         }
-        self.eval_datasets: dict[str, Any] = {}
+        # Loaded now, with the reward functions' signatures checked against them: a bad dataset
+        # fails here, before the model loads and before a logger creates a run.
+        self.train_dataset, self.eval_datasets = load_prompt_sets(
+            self.dataset_source, self.eval_sources, self.rewards.funcs, getattr(self.sampler, "rollout_fields", ())
+        )
         self.eval_builders: dict[str, RolloutBuilder] = {}
         #: The latest training generation batch of all ranks, when ``collect_completions`` is on.
         self.completion_table: CompletionTable | None = None
         self._collect_completions = False
 
-        self.train_dataset = None
         self.builder: RolloutBuilder | None = None
         self.schedule: MicroStepSchedule | None = None
         self.prompt_order: PromptOrder | None = None
@@ -214,8 +231,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,
             self.generation_batch_size, self.steps_per_generation, trainer.accumulate_grad_batches,
         )
-        self.train_dataset = load_prompt_dataset(**self.dataset_source)
-        self.prompt_order = PromptOrder(len(self.train_dataset), plan.prompts_per_generation, self.shuffle_dataset, self.seed)
+        self.prompt_order = PromptOrder(len(self.train_dataset), plan.prompts_per_generation, self.shuffle_dataset, data_seed(self.seed))
         self.schedule = MicroStepSchedule(self.prompt_order.generations_per_epoch, plan.steps_per_generation, self.num_iterations)
         if self.schedule.steps_per_epoch % trainer.accumulate_grad_batches:
             log.warning(
@@ -235,7 +251,6 @@ class RolloutDataModule(pl.LightningDataModule):
         plan = GenerationPlan(rows * world, 1, rows * world // self.num_generations_eval, rows)
         settings = self._settings(self.num_generations_eval, plan, gradient_accumulation_steps=1, num_iterations=1)
         for name, source in self.eval_sources.items():
-            self.eval_datasets[name] = load_prompt_dataset(**source)
             self.eval_builders[name] = RolloutBuilder(settings, self.sampler, self.rewards, handle, self._collective())
 
     def _settings(self, num_generations: int, plan: GenerationPlan, gradient_accumulation_steps: int, num_iterations: int) -> RolloutSettings:
@@ -311,9 +326,10 @@ class RolloutDataModule(pl.LightningDataModule):
     def eval_batch(self, ref: EvalRef) -> RolloutBatch:
         """Generate and score one validation step (no buffering, no shuffling)."""
         dataset = self.eval_datasets[ref.name]
-        row_ids = [i for i in ref.prompt_indices for _ in range(self.num_generations_eval)]
+        row_ids, counts = ref.rows(self.num_generations_eval)  # repeated prompts keep ranks in step, uncounted
         rows = [self._format_row(dataset[i]) for i in row_ids]
-        built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=self.trainer)
+        state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
+        built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
         prefix = f"eval_{ref.name}_" if ref.name else "eval_"
         return replace(built.micro_batches[0], metric_prefix=prefix)
 
@@ -327,10 +343,9 @@ class RolloutDataModule(pl.LightningDataModule):
         rows = [self._format_row(self.train_dataset[i]) for i in row_ids]
         # A private generator per generation batch: the micro-batch shuffle is reproducible on
         # resume and independent of any other use of the global RNG.
-        generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + rank) * 1_000_003 + ref.epoch * 1_000_003 + ref.generation
-        )
-        built = self.builder.build(rows, row_ids, generator, trainer_state=self.trainer)
+        generator = torch.Generator().manual_seed(shuffle_seed(self.prompt_order.seed, rank, ref.epoch, ref.generation))
+        state = build_trainer_state(self.trainer, ref.step, self.schedule)
+        built = self.builder.build(rows, row_ids, generator, trainer_state=state)
         self.num_tokens += built.num_tokens
         if built.table is not None:
             self.completion_table = built.table
@@ -349,11 +364,17 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens}
+        seed = self.prompt_order.seed if self.prompt_order is not None else None
+        return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.micro_steps_done = int(state_dict["micro_steps_done"])
         self.num_tokens = int(state_dict["num_tokens"])
+        saved, order = state_dict.get("seed"), self.prompt_order
+        if saved is not None and order is not None and self.seed is None and saved != order.seed:
+            # The seed came from the global seed, which changed: keep the run's prompt order.
+            log.warning("Resuming with the checkpoint's data seed %d (the global seed is now %d).", saved, order.seed)
+            self.prompt_order = PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved)
         self._buffer_key, self._buffer = None, []
 
 

@@ -7,6 +7,8 @@ replaying sampler state. No lightning here.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +116,39 @@ def plan_generation_batches(
         prompts_per_generation=generation_batch_size // num_generations,
         local_rows=pdbs * steps,
     )
+
+
+def data_seed(seed: int | None) -> int:
+    """The seed of the data order: ``data.seed`` when set, else the global seed that Lightning's
+    ``seed_everything`` recorded (``PL_GLOBAL_SEED``), else 42.
+
+    >>> data_seed(7)
+    7
+    """
+    return seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 42))
+
+
+def shuffle_seed(seed: int, rank: int, epoch: int, generation: int) -> int:
+    """Seed of the micro-batch shuffle of one generation batch on one rank.
+
+    A hash (BLAKE2b) of the four numbers written out in full, so distinct ``(seed, rank, epoch,
+    generation)`` give unrelated seeds: no arithmetic mix where, say, rank 1 of epoch 0 equals
+    rank 0 of epoch 1.
+
+    Args:
+        seed: The data seed (``data.seed``, or the global seed).
+        rank: Global rank.
+        epoch: 0-based epoch.
+        generation: Generation batch within the epoch.
+
+    Returns:
+        A non-negative 63-bit integer for ``torch.Generator.manual_seed``.
+
+    >>> shuffle_seed(42, 1, 0, 0) != shuffle_seed(42, 0, 1, 0)
+    True
+    """
+    key = f"{seed},{rank},{epoch},{generation}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 class PromptOrder:

@@ -36,8 +36,10 @@ class RewardModel:
             model's ``config.pad_token_id`` is set to the tokenizer's pad id either way.
         batch_size: Texts per forward pass; ``None`` scores all rows of a call at once (TRL).
         model_init_kwargs: Extra ``from_pretrained`` arguments when ``model`` is a path (e.g.
-            ``{"dtype": "bfloat16", "revision": "main"}``).
-        trust_remote_code: Allow custom modelling/tokenizer code from the model folder or Hub.
+            ``{"dtype": "bfloat16", "revision": "main"}``). The tokenizer loaded with the model
+            gets its Hub arguments (``revision``, ``cache_dir``, ``token``, ``local_files_only``).
+        trust_remote_code: Allow custom modelling/tokenizer code from the model folder or Hub
+            (for the model and for a tokenizer loaded by path).
         chat_template_kwargs: Extra ``apply_chat_template`` arguments for conversational prompts;
             ``None`` takes the run's ``chat_template_kwargs`` (set by the reward runner).
         name: Metric name; default: the path's basename, else the model's ``config._name_or_path``
@@ -75,7 +77,7 @@ class RewardModel:
         self.chat_template_kwargs = chat_template_kwargs
         self.model = _load_model(model, model_init_kwargs, trust_remote_code)
         self.model.eval()
-        self.tokenizer = _load_tokenizer(self.model, model, processing_class, trust_remote_code)
+        self.tokenizer = _load_tokenizer(self.model, model, processing_class, trust_remote_code, model_init_kwargs)
         _set_pad_token(self.model, self.tokenizer)
         self.name = name or _model_name(model, self.model)
         self.__name__ = self.name  # what callable_name() reads for the metric name
@@ -215,24 +217,36 @@ def _load_model(
         raise
 
 
+# ``from_pretrained`` arguments of a model that also say where its tokenizer comes from.
+_TOKENIZER_HUB_KWARGS = ("cache_dir", "token", "local_files_only")
+
+
 def _load_tokenizer(
-    model: torch.nn.Module, source: Any, processing_class: Any, trust_remote_code: bool
+    model: torch.nn.Module,
+    source: Any,
+    processing_class: Any,
+    trust_remote_code: bool,
+    init_kwargs: dict[str, Any] | None = None,
 ) -> Any:
     if processing_class is not None and not isinstance(processing_class, (str, os.PathLike)):
         return processing_class
     from transformers import AutoTokenizer
 
+    init_kwargs = init_kwargs or {}
+    kwargs = {k: init_kwargs[k] for k in _TOKENIZER_HUB_KWARGS if k in init_kwargs}
     path = processing_class
     if path is None:
         is_path = isinstance(source, (str, os.PathLike))
         path = os.path.expanduser(str(source)) if is_path else _config_name(model)
+        if is_path and "revision" in init_kwargs:  # the model's revision holds its tokenizer (TRL)
+            kwargs["revision"] = init_kwargs["revision"]
     if not path:
         raise ValueError(
             f"reward model {type(model).__name__} has no tokenizer: it was given as an object "
             "without config._name_or_path. Pass its tokenizer (data.reward_processing_classes, "
             "or RewardModel(processing_class=...))."
         )
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
 
 
 def _set_pad_token(model: torch.nn.Module, tokenizer: Any) -> None:

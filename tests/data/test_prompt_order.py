@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, plan_generation_batches
+from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, plan_generation_batches, shuffle_seed
 
 
 def test_spec_example_seed_42() -> None:
@@ -136,3 +136,14 @@ def test_plan_errors_name_the_settings(kwargs: dict, keys: list[str]) -> None:
         plan_generation_batches(**kwargs)
     for key in keys:
         assert key in str(info.value)
+
+
+def test_shuffle_seeds_differ_for_every_rank_epoch_and_generation() -> None:
+    grid = [(rank, epoch, generation) for rank in range(8) for epoch in range(10) for generation in range(50)]
+    seeds = {shuffle_seed(42, *key) for key in grid}
+    assert len(seeds) == len(grid)
+    # The old mix ((seed*P + rank)*P + epoch*P + generation) made these two equal.
+    assert shuffle_seed(42, 1, 0, 0) != shuffle_seed(42, 0, 1, 0)
+    assert shuffle_seed(42, 0, 0, 0) != shuffle_seed(43, 0, 0, 0)
+    assert all(0 <= s < 2**63 for s in seeds)
+    torch.Generator().manual_seed(max(seeds))  # a valid seed
