@@ -88,3 +88,20 @@ def test_tokenizer_without_pad_uses_eos_and_without_eos_is_rejected():
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="EOS"):
         load_tokenizer(tokenizer)
+
+
+def test_prompt_longer_than_the_model_context_names_rows_and_fix(tmp_path):
+    from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
+    from tests.helpers import ALPHABET
+
+    if not hasattr(GRPOModule, "max_context_length"):  # the handle's context length, read by the builder
+        pytest.skip("GRPOModule does not expose max_context_length yet")
+    tokenizer = build_char_tokenizer(ALPHABET)
+    short_context = tmp_path / "short"
+    build_tiny_causal_lm(len(tokenizer), max_position_embeddings=16).save_pretrained(short_context)
+    tokenizer.save_pretrained(short_context)
+    path = tmp_path / "long.jsonl"
+    prompts = ["1+1="] * 7 + ["1+1+1+1+1+1+1="]  # row 7: 14 tokens + 4 new ones > 16
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    with pytest.raises(ValueError, match=r"row 7 \(14 tokens\).*max_completion_length=4.*context of 16 tokens.*at most 2"):
+        fit(str(short_context), str(path), num_generations=2, per_device_train_batch_size=16, shuffle_dataset=False)
