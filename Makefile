@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow)
+#   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow; re-runnable)
 #   make test   create/refresh .venv, install with the [dev] extra, run the test suite
 #   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
 PYTHON ?= python3
@@ -26,8 +26,10 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# Each `make demo` is a fresh demo run into runs/quickstart (the previous one's files are overwritten;
+# its MLflow run stays in runs/quickstart/mlflow.db). DEMO_ARGS passes overrides through.
 demo: install
-	$(VENV)/bin/grpo fit --config configs/quickstart.yaml
+	$(VENV)/bin/grpo fit --config configs/quickstart.yaml --overwrite_run_dir true $(DEMO_ARGS)
 
 test: install-dev
 	$(VENV)/bin/pytest -q

@@ -45,7 +45,10 @@ def test_fit_logs_metrics_params_and_config_to_mlflow(config_file):
                  "rewards/length_reward/mean", "rewards/count_a_reward/std", "clip_ratio/region_mean"]:
         assert name in metrics, f"{name} not logged; got {sorted(metrics)}"
     assert len(client.get_metric_history(run.info.run_id, "reward")) == 2  # log_every_n_steps=1
-    assert run.data.params["config/model.loss"] == '"grpo"'
+    # `loss: grpo` is recorded as what ran: the class and every knob
+    assert run.data.params["config/model.loss.class_path"] == '"grpo_lightning.losses.GRPOLoss"'
+    assert run.data.params["config/model.loss.init_args.epsilon"] == "0.2"
+    assert run.data.params["config/data.sampler.class_path"] == '"grpo_lightning.samplers.HFGenerateSampler"'
     assert run.data.params["config/data.num_generations"] == "4"
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in artifacts
@@ -90,6 +93,47 @@ def test_unknown_config_key_is_named(config_file, tmp_path, capsys):
         main(["fit", "--config", str(bad)])
     assert exit_info.value.code != 0
     assert "num_generation" in capsys.readouterr().err
+
+
+def test_print_config_writes_loss_and_sampler_names_in_full(config_file, capsys):
+    """`loss: dapo` and `sampler: hf_generate` print as class_path + every init_arg."""
+    path, _ = config_file
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--model.loss", "dapo", "--data.sampler", "hf_generate", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["loss"]["class_path"] == "grpo_lightning.losses.DAPOLoss"
+    assert printed["model"]["loss"]["init_args"]["epsilon"] == 0.2
+    assert printed["model"]["loss"]["init_args"]["beta"] == 0.0
+    assert printed["data"]["sampler"] == {
+        "class_path": "grpo_lightning.samplers.HFGenerateSampler",
+        "init_args": {"cache_implementation": None, "max_batch_rows": None},
+    }
+
+
+def test_default_loss_knobs_can_be_overridden_and_printed(config_file, capsys):
+    path, _ = config_file
+    config = yaml.safe_load(path.read_text())
+    del config["model"]["loss"]  # the default, DAPOLoss
+    bare = path.parent / "default_loss.yaml"
+    bare.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(bare), "--model.loss.epsilon", "0.3", "--print_config"])
+    loss = yaml.safe_load(capsys.readouterr().out)["model"]["loss"]
+    assert loss["class_path"] == "grpo_lightning.losses.DAPOLoss"
+    assert loss["init_args"]["epsilon"] == 0.3 and loss["init_args"]["beta"] == 0.0
+
+
+def test_help_is_short_and_lists_no_module_subclasses(capsys):
+    """`--model.model` once listed every torch.nn.Module subclass (hundreds of help lines)."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "torch.nn.Linear" not in out and "known subclasses: torch.nn" not in out
+    model_help = out[out.index("  --model.model MODEL"):out.index("  --model.tokenizer")]
+    assert len(model_help.splitlines()) <= 4, model_help
+    assert len(out.splitlines()) < 1000  # Lightning's own options are most of it
+    assert "GRPO_DEBUG=1" in out and "--overwrite_run_dir" in out  # the epilog and the run-folder switch
 
 
 def test_help_works_without_optional_extras(capsys):

@@ -119,3 +119,19 @@ def test_config_instantiates_with_a_local_model(config, tmp_path, monkeypatch):
     )
     assert cli.datamodule.rewards.names
     assert cli.model.loss is not None
+
+
+def test_default_loss_and_sampler_are_fresh_instances(tmp_path):
+    """The defaults are ``lazy_instance`` objects (so the CLI lists their knobs); each module gets
+    its own initialised instance, never the shared default object; names still work from Python."""
+    from grpo_lightning.losses import DAPOLoss, GRPOLoss
+    from grpo_lightning.samplers import HFGenerateSampler
+    from tests.helpers import length_reward, make_model_dir, write_prompts
+
+    model, prompts = make_model_dir(tmp_path / "m"), write_prompts(tmp_path / "p.jsonl")
+    first, second = GRPOModule(model), GRPOModule(model)
+    assert type(first.loss) is DAPOLoss and first.loss is not second.loss and first.loss.beta == 0.0
+    assert type(GRPOModule(model, loss="grpo").loss) is GRPOLoss
+    data = [RolloutDataModule(prompts, reward_funcs=[length_reward]) for _ in range(2)]
+    assert type(data[0].sampler) is HFGenerateSampler and data[0].sampler is not data[1].sampler
+    assert type(RolloutDataModule(prompts, reward_funcs=[length_reward], sampler="hf_generate").sampler) is HFGenerateSampler

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grpo_lightning"
 
 # Layer of each top-level part of the package (DESIGN.md "Layers").
 LAYERS = {
-    "types": 0, "algo": 0, "utils": 0,
+    "types": 0, "algo": 0, "utils": 0, "errors": 0,
     "losses": 1, "rewards": 1, "tools": 1,
     "samplers": 2,
     "agents": 3,
@@ -19,7 +19,7 @@ LAYERS = {
     "callbacks": 5,
     "cli": 6,
 }  # fmt: skip
-PURE_LAYERS = {"types", "algo", "utils", "losses", "rewards", "tools"}  # no lightning
+PURE_LAYERS = {"types", "algo", "utils", "errors", "losses", "rewards", "tools"}  # no lightning
 
 
 def part_of(path: Path) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Literal
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader
 
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
@@ -16,12 +17,13 @@ from grpo_lightning.data.micro_steps import MicroStepRef, MicroStepSchedule, Mic
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
-from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, run_summary
+from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.rewards.loading import resolve_reward_funcs
 from grpo_lightning.rewards.runner import RewardRunner
-from grpo_lightning.samplers import Sampler, get_sampler
+from grpo_lightning.samplers import HFGenerateSampler, Sampler, get_sampler
 from grpo_lightning.types import CompletionTable, GenerationParams, RolloutBatch, missing_handle_members
+from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 log = logging.getLogger(__name__)
 # Our stream has an exact length and always runs in the main process (num_workers=0).
@@ -78,7 +80,8 @@ class RolloutDataModule(pl.LightningDataModule):
         generation: Sampling settings shared by all samplers (``max_completion_length``,
             ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
             ``generation_kwargs``).
-        sampler: Generation back-end: a short name (``hf_generate``) or a ``class_path``.
+        sampler: Generation back-end: a short name (``hf_generate``) or a ``class_path`` with its
+            knobs (default: ``HFGenerateSampler``); a saved config lists them all.
         chat_template_kwargs: Extra arguments for ``apply_chat_template`` (e.g.
             ``enable_thinking: false``).
         prompt_as_chat: Wrap plain-text prompts as a user message, so an instruct model's chat
@@ -121,7 +124,7 @@ class RolloutDataModule(pl.LightningDataModule):
         shuffle_dataset: bool = True,
         seed: int | None = None,
         generation: GenerationParams = GenerationParams(),
-        sampler: str | Sampler = "hf_generate",
+        sampler: str | Sampler = lazy_instance(HFGenerateSampler),
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_as_chat: bool = False,
         system_prompt: str | None = None,
@@ -154,7 +157,7 @@ class RolloutDataModule(pl.LightningDataModule):
             reward_weights,
             chat_template_kwargs=chat_template_kwargs,
         )
-        self.sampler = get_sampler(sampler)
+        self.sampler = get_sampler(fresh_instance(sampler))
         self.dataset_source = dict(
             path_or_name=dataset, name=dataset_config, split=split, data_files=data_files,
             prompt_column=prompt_column, prompt_template=prompt_template,
@@ -227,6 +230,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
+        check_training_length(trainer.max_steps, trainer.max_epochs)
         plan = plan_generation_batches(
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,
             self.generation_batch_size, self.steps_per_generation, trainer.accumulate_grad_batches,

@@ -9,7 +9,7 @@ from typing import Iterator
 from torch.utils.data import IterableDataset
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)  # not frozen: see MicroStepRef
 class EvalRef:
     """One validation step: a slice of an evaluation set, for this rank."""
 

@@ -14,7 +14,9 @@ from typing import Callable, Iterator
 from torch.utils.data import IterableDataset
 
 
-@dataclass(frozen=True)
+# Not frozen (nor EvalRef): under ``*-true`` precision Lightning passes every batch through the
+# precision plugin's ``convert_input``, which rebuilds a dataclass by setting each field on a copy.
+@dataclass(unsafe_hash=True)
 class MicroStepRef:
     """Which micro-step to train: a position in the fixed schedule of one run."""
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from grpo_lightning.data.micro_steps import MicroStepSchedule
 from grpo_lightning.data.rollout_builder import RolloutSettings
+from grpo_lightning.errors import ConfigError
 
 SCALE_CHOICES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -14,10 +15,12 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer: Any, reference: bool) -> str:
     """GRPO's batch arithmetic in a few lines: the most common source of confusion."""
     plan, accumulate = settings.plan, trainer.accumulate_grad_batches
-    if trainer.max_steps and trainer.max_steps > 0:
+    if trainer.max_steps is not None and trainer.max_steps > 0:
         planned = f"{trainer.max_steps} (trainer.max_steps)"
+    elif trainer.max_epochs == -1:
+        planned = "no limit (trainer.max_epochs=-1: runs until stopped)"
     else:
-        epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 1
+        epochs = trainer.max_epochs if trainer.max_epochs is not None else 1
         planned = f"{epochs * schedule.steps_per_epoch // accumulate} ({epochs} epoch(s))"
     per_step = trainer.world_size * accumulate * (plan.local_rows // plan.steps_per_generation)
     return "\n".join([
@@ -33,6 +36,23 @@ def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer:
         f"{'; old log-probs (no grad)' if settings.needs_old_logprobs else ''}"
         f"{'; reference log-probs (no grad)' if reference else ''}",
     ])
+
+
+def check_training_length(max_steps: int | None, max_epochs: int | None) -> None:
+    """Reject a run length that trains nothing or that Lightning reads in surprising ways.
+
+    ``-1`` means "no limit" for both (Lightning's convention); ``None`` leaves the choice to the other.
+    """
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
+        raise ConfigError(
+            f"trainer.max_steps={max_steps}: a run needs at least one optimizer step. Set a positive number of "
+            "steps, or -1 to let trainer.max_epochs decide the length."
+        )
+    if max_epochs is not None and (max_epochs == 0 or max_epochs < -1):
+        raise ConfigError(
+            f"trainer.max_epochs={max_epochs}: a run needs at least one epoch. Set a positive number of epochs, "
+            "-1 for no epoch limit, or null to train for trainer.max_steps."
+        )
 
 
 def check_sizes(

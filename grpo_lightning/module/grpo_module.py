@@ -11,16 +11,21 @@ from typing import Any, ContextManager, Literal
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_only
 
 from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss, merge_metrics
+from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
+from grpo_lightning.module.model_loading import CausalLM, check_model_sources
+from grpo_lightning.module.optimizer_settings import check_optimizer_settings
 from grpo_lightning.utils.checkpointing import set_activation_checkpointing
 from grpo_lightning.module.metrics import MetricsWindow, reduce_metric_values
 from grpo_lightning.module.model_loading import frozen_copy, load_policy, load_tokenizer, zero_dropout
 from grpo_lightning.module.training_parts import training_parts
 from grpo_lightning.types import RolloutBatch
+from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,8 @@ class GRPOModule(pl.LightningModule):
             ``importance_sampling_level``, ...). A loss with ``beta != 0`` adds a reference model.
         learning_rate: Peak learning rate of the default AdamW optimizer (TRL default 1e-6).
         optimizer: An optimizer factory (``class_path`` + ``init_args``) replacing the default
-            AdamW; receives the trainable parameters.
+            AdamW; receives the trainable parameters. Its ``lr`` and ``weight_decay`` go in its
+            ``init_args``: setting ``learning_rate``/``weight_decay`` as well is an error.
         weight_decay: AdamW weight decay of the default optimizer.
         lr_scheduler_type: ``linear`` (TRL/HF default: decay to 0 over the run), ``cosine``,
             ``constant`` or ``constant_with_warmup``.
@@ -69,9 +75,9 @@ class GRPOModule(pl.LightningModule):
 
     def __init__(
         self,
-        model: str | torch.nn.Module,
+        model: str | CausalLM,
         tokenizer: str | None = None,
-        loss: str | PolicyLoss = "dapo",
+        loss: str | PolicyLoss = lazy_instance(DAPOLoss),
         learning_rate: float = 1e-6,
         optimizer: OptimizerCallable | None = None,
         weight_decay: float = 0.0,
@@ -92,9 +98,11 @@ class GRPOModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
         if learning_rate <= 0:
             raise ValueError(f"model.learning_rate={learning_rate}: it must be > 0.")
+        check_optimizer_settings(optimizer, learning_rate, weight_decay)
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
-        self.loss: PolicyLoss = get_loss(loss)
+        check_model_sources(model, tokenizer)  # before any weights or tokenizer load
+        self.loss: PolicyLoss = get_loss(fresh_instance(loss))
         self.policy = load_policy(
             model, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code, dtype=dtype
         )

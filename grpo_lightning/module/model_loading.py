@@ -4,13 +4,92 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+import os
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from grpo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+#: Files of which a tokenizer folder holds at least one (besides ``*.model`` / ``*.tiktoken`` vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tekken.json")
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """An instantiated causal LM: a ``transformers`` ``PreTrainedModel`` (or a PEFT model around one).
+
+    The type of ``GRPOModule(model=...)`` besides a path: a protocol rather than ``torch.nn.Module``,
+    whose hundreds of subclasses the CLI would list in ``--help`` (YAML gives a path or hub id).
+    """
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def check_model_sources(model: "str | Any", tokenizer: str | None = None) -> None:
+    """Cheap checks of ``model.model`` and ``model.tokenizer`` before any weights load.
+
+    A path must exist (a mistyped one would otherwise reach the hub and fail as a bad repo id);
+    a string that is not a local folder must look like a hub id (``org/name``); the folder the
+    tokenizer comes from must hold tokenizer files. Raises :class:`ConfigError` naming the setting.
+    """
+    if isinstance(model, str):
+        _check_source("model.model", model)
+    if tokenizer is not None:
+        _check_source("model.tokenizer", tokenizer)
+        if os.path.isdir(os.path.expanduser(tokenizer)) and not has_tokenizer_files(os.path.expanduser(tokenizer)):
+            raise ConfigError(
+                f"model.tokenizer={tokenizer!r} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+                "point it to a folder saved with tokenizer.save_pretrained, or to a hub id."
+            )
+    elif isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
+        if not has_tokenizer_files(os.path.expanduser(model)):
+            raise ConfigError(
+                f"model.model={model!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): set "
+                "model.tokenizer to the folder or hub id of its tokenizer, or save the tokenizer into the model folder."
+            )
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether ``folder`` holds a tokenizer that ``AutoTokenizer.from_pretrained`` can read."""
+    names = os.listdir(folder)
+    return any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names)
+
+
+def looks_like_hub_id(source: str) -> bool:
+    """``name`` or ``org/name`` as the Hugging Face hub spells repository ids (no local-path syntax).
+
+    >>> [looks_like_hub_id(s) for s in ("Qwen/Qwen2.5-0.5B", "gpt2", "./model", "runs/a/final_model", "~/m")]
+    [True, True, False, False, False]
+    """
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_source(setting: str, source: str) -> None:
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ConfigError(f"{setting}={source!r} is a file: give the folder that holds it (saved with save_pretrained).")
+    parent = source.split("/", 1)[0]
+    if not looks_like_hub_id(source) or ("/" in source and os.path.isdir(parent)):  # `runs/x`: a local typo
+        raise ConfigError(
+            f"{setting}={source!r}: no such folder (a relative path starts at the working directory "
+            f"{os.getcwd()}), and it is not a hub id such as 'org/name'. Check the path."
+        )
 
 
 def load_policy(

@@ -62,6 +62,7 @@ def test_grpo_validate_and_named_eval_sets(setup, tmp_path):
     assert "eval_all_reward" in run.data.metrics and "eval_all_completions/mean_length" in run.data.metrics
 
 
-def test_validate_without_eval_dataset_is_a_clear_error(setup, tmp_path):
-    with pytest.raises(ValueError, match="data.eval_dataset"):
+def test_validate_without_eval_dataset_is_a_clear_error(setup, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # a user error: one message, no traceback
         main(["validate", "--config", str(write_config(setup, tmp_path))])
+    assert exit_info.value.code == 1 and "data.eval_dataset" in capsys.readouterr().err

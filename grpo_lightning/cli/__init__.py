@@ -1,0 +1,195 @@
+"""``grpo``: the command line (LightningCLI over ``GRPOModule`` and ``RolloutDataModule``).
+
+    grpo fit --config configs/quickstart.yaml
+    grpo fit --config cfg.yaml --model.learning_rate 1e-5 --trainer.max_steps 100
+    grpo fit --config cfg.yaml --print_config
+
+With no logger configured, runs log to MLflow in a sqlite store under the run folder
+(``<trainer.default_root_dir>/mlflow.db``); any Lightning logger can be configured instead.
+A run folder holds one run: ``grpo fit`` refuses one that holds another run unless resuming
+(``--ckpt_path``) or told ``--overwrite_run_dir true``. A user error (a bad setting, file or data)
+prints one message; ``GRPO_DEBUG=1`` shows the full traceback (rule: ``grpo_lightning.errors``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from contextvars import ContextVar
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+from grpo_lightning.cli.parser import COMPONENTS, GRPOArgumentParser, expand_component_names
+from grpo_lightning.cli.run_dir import check_run_dir
+from grpo_lightning.data import RolloutDataModule
+from grpo_lightning.data.run_summary import check_training_length
+from grpo_lightning.errors import DEBUG_ENV, debug_enabled, is_user_error, user_message
+from grpo_lightning.module import GRPOModule
+
+
+# TRL's defaults where Lightning's differ: max_grad_norm=1.0, logging_steps=10, no sanity-check generation.
+TRAINER_DEFAULTS: dict[str, Any] = {"gradient_clip_val": 1.0, "log_every_n_steps": 10, "num_sanity_val_steps": 0}
+MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
+EPILOG = (
+    f"A bad setting, file or data prints one error message; set {DEBUG_ENV}=1 to see the full traceback. "
+    "A run folder (trainer.default_root_dir) holds one run: resume it with --ckpt_path, or pass "
+    "--overwrite_run_dir true to write over it."
+)
+# The trainer of the run `main` is executing: errors after its first optimizer step keep their traceback.
+_current_trainer: ContextVar[Any] = ContextVar("grpo_current_trainer", default=None)
+
+
+def mlflow_logger_config(root_dir: str, experiment_name: str = "grpo") -> dict[str, Any]:
+    """The default logger: MLflow with a sqlite store in the run folder (``mlflow ui`` reads it)."""
+    root = os.path.abspath(root_dir)
+    return {
+        "class_path": MLFLOW_LOGGER,
+        "init_args": {
+            "experiment_name": experiment_name,
+            # Not MLFLOW_TRACKING_URI: mlflow sets that variable itself once a run has started, so a
+            # second run in the same process would write to the first run's store.
+            "tracking_uri": f"sqlite:///{root}/mlflow.db",
+            "artifact_location": os.path.join(root, "mlartifacts"),
+        },
+    }
+
+
+class LogConfigToMLflow(SaveConfigCallback):
+    """Writes the resolved config to ``<default_root_dir>/config.yaml`` and, for MLflow loggers,
+    into the run itself (``config.yaml`` artifact plus one ``config/<key>`` param per setting).
+
+    The file is written when training starts (``on_fit_start``: models built, strategy set up), so
+    a run that fails before that leaves no ``config.yaml`` to make its folder look used; ``grpo
+    validate`` leaves the training run's file alone."""
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            os.makedirs(trainer.default_root_dir, exist_ok=True)
+            path = os.path.join(trainer.default_root_dir, self.config_filename)
+            self.parser.save(self.config, path, skip_unset=False, overwrite=True, multifile=False)
+
+    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        for logger in trainer.loggers:
+            if not isinstance(logger, MLFlowLogger):
+                continue
+            text = self.parser.dump(self.config, skip_unset=False)
+            logger.experiment.log_text(logger.run_id, text, "config.yaml")
+            flat = _flatten(self.parser.dump(self.config, format="json", skip_unset=False))
+            logger.log_hyperparams({f"config/{k}": v for k, v in flat.items()})
+
+
+def _flatten(config_json: str) -> dict[str, str]:
+    import json
+
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            out[prefix] = json.dumps(value)[:6000]
+
+    walk("", json.loads(config_json))
+    return out
+
+
+class GRPOLightningCLI(LightningCLI):
+    """LightningCLI with GRPO's defaults: MLflow logging and TRL's trainer defaults; loss and sampler
+    names written out in full; checks of the run folder and run length before any model loads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", GRPOArgumentParser)
+        parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
+        parser_kwargs.setdefault("epilog", EPILOG)  # `grpo --help`; each subcommand's below
+        for subcommand in self.subcommands():
+            parser_kwargs[subcommand] = {"epilog": EPILOG, **parser_kwargs.get(subcommand, {})}
+        kwargs["parser_kwargs"] = parser_kwargs
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--overwrite_run_dir", type=bool, default=False,
+            help="Let `grpo fit` write into a trainer.default_root_dir that holds another run (its files are "
+                 "overwritten). Without it such a folder is refused unless resuming with --ckpt_path.",
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if "logger" not in kwargs and config.trainer.logger in (None, True):
+            # The default logger is made here, not written into the config: the saved config keeps
+            # `logger: null`, so re-running it into another folder logs to that folder's store.
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            root = config.trainer.default_root_dir or os.getcwd()
+            kwargs["logger"] = MLFlowLogger(**mlflow_logger_config(root)["init_args"])
+        trainer = super().instantiate_trainer(**kwargs)
+        _current_trainer.set(trainer)
+        return trainer
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        expanded = expand_component_names(config)  # what runs is what config.yaml records
+        for key in COMPONENTS:
+            if key in config:
+                config[key] = expanded[key]
+        trainer = config.trainer
+        check_training_length(trainer.max_steps, trainer.max_epochs)
+        if self.subcommand == "fit":
+            root = trainer.default_root_dir or os.getcwd()
+            check_run_dir(root, config.get("ckpt_path"), bool(config.get("overwrite_run_dir")),
+                          config.get("model.output_dir"))
+
+
+def _show_package_logs() -> None:
+    package_log = logging.getLogger("grpo_lightning")
+    if not package_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        package_log.addHandler(handler)
+        package_log.setLevel(logging.INFO)
+
+
+def run_cli(args: list[str] | None = None) -> GRPOLightningCLI:
+    """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object."""
+    _show_package_logs()
+    # Lightning 2.6 against torch >= 2.10 warns on every run from its own code; nothing to act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    return GRPOLightningCLI(
+        GRPOModule,
+        RolloutDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_callback=LogConfigToMLflow,
+        save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+        seed_everything_default=42,
+        args=args,  # None: LightningCLI reads the command line
+        auto_configure_optimizers=False,
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``grpo`` console script (returns nothing: the exit status is 0).
+
+    A user error (``grpo_lightning.errors.is_user_error``) prints its message and exits with status
+    1; ``GRPO_DEBUG=1`` lets every error through with its traceback, jsonargparse's included.
+    """
+    token = _current_trainer.set(None)
+    if debug_enabled():
+        os.environ.setdefault("JSONARGPARSE_DEBUG", "true")
+    try:
+        run_cli(args)
+    except Exception as error:
+        trainer = _current_trainer.get()
+        started = trainer is not None and trainer.global_step > 0
+        if debug_enabled() or not is_user_error(error, training_started=started):
+            raise
+        sys.stderr.write(user_message(error) + "\n")
+        sys.exit(1)
+    finally:
+        _current_trainer.reset(token)
+

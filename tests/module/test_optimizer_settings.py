@@ -1,0 +1,32 @@
+"""`model.optimizer` with a non-default learning_rate/weight_decay is an error (they were silently ignored)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from grpo_lightning.errors import ConfigError
+from grpo_lightning.module import GRPOModule
+from tests.helpers import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("optimizer") / "model")
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"learning_rate": 1e-3}, "model.learning_rate=0.001"),
+    ({"weight_decay": 0.1}, "model.weight_decay=0.1"),
+])
+def test_optimizer_with_default_optimizer_settings_is_an_error(model_dir, kwargs, named):
+    with pytest.raises(ConfigError, match=named) as info:
+        GRPOModule(model_dir, optimizer=partial(torch.optim.SGD, lr=0.1), **kwargs)
+    assert "model.optimizer" in str(info.value) and "init_args" in str(info.value)
+
+
+def test_optimizer_alone_or_settings_alone_are_fine(model_dir):
+    GRPOModule(model_dir, optimizer=partial(torch.optim.SGD, lr=0.1))
+    GRPOModule(model_dir, learning_rate=1e-3, weight_decay=0.1)

@@ -1,0 +1,100 @@
+"""`grpo` prints a user error as one message (no traceback); GRPO_DEBUG=1 shows the traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grpo_lightning.cli import main
+from grpo_lightning.errors import ConfigError, is_user_error, raised_in_package
+from grpo_lightning.losses import get_loss
+from tests.helpers import make_model_dir, write_prompts
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(root / "run"),
+                    "enable_progress_bar": False},
+        "model": {"model": make_model_dir(root / "model"), "learning_rate": 1e-2},
+        "data": {"dataset": write_prompts(root / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
+                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4}},
+    }))
+    return path
+
+
+def run_grpo(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--model.learning_rate", "-1"], "model.learning_rate=-1"),              # the module's own check
+    (["--model.loss", "ppo"], "Unknown loss 'ppo'"),                           # the loss registry
+    (["--data.num_generations", "1"], "data.num_generations=1"),               # a data check
+    (["--data.dataset", "missing.jsonl"], "missing.jsonl"),                    # a file that is not there
+])
+def test_user_errors_print_one_message_without_traceback(config, capsys, override, message):
+    code, err = run_grpo(["fit", "--config", str(config), *override], capsys)
+    assert code == 1
+    assert message in err and "GRPO_DEBUG=1" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+
+
+def test_parse_errors_are_short(config, capsys):
+    """jsonargparse printed ~100 lines of usage before the one line that matters."""
+    code, err = run_grpo(["fit", "--config", str(config), "--data.num_generation", "3"], capsys)
+    assert code == 2
+    assert "num_generation" in err and len(err.strip().splitlines()) <= 4, err
+
+
+def test_debug_switch_shows_the_traceback(config, capsys, monkeypatch):
+    monkeypatch.setenv("GRPO_DEBUG", "1")
+    with pytest.raises(ValueError, match="model.learning_rate"):
+        main(["fit", "--config", str(config), "--model.learning_rate", "-1"])
+
+
+def test_errors_outside_the_package_keep_their_traceback(config, tmp_path):
+    """A bug in a user's reward function is not ours to summarise."""
+    with pytest.raises(ZeroDivisionError):
+        main(["fit", "--config", str(config), "--data.reward_funcs", "[tests.test_errors.broken_reward]",
+              "--trainer.default_root_dir", str(tmp_path / "run")])
+
+
+def broken_reward(completions, **kwargs):
+    return [1 / 0 for _ in completions]
+
+
+def test_the_rule():
+    try:
+        get_loss("ppo")
+    except ValueError as error:
+        ours = error
+    try:
+        int("x")
+    except ValueError as error:
+        theirs = error
+    assert raised_in_package(ours) and not raised_in_package(theirs)
+    assert is_user_error(ours, training_started=False)
+    assert not is_user_error(ours, training_started=True)  # once training runs, it may be a bug
+    assert not is_user_error(theirs, training_started=False)
+    assert is_user_error(ConfigError("x"), training_started=True)  # always a user error
+    assert not is_user_error(RuntimeError("x"), training_started=False)
+
+
+@pytest.mark.slow
+def test_console_script_exit_status_and_output(config):
+    env = {**os.environ, "GRPO_DEBUG": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_lightning.cli", "fit", "--config", str(config), "--trainer.max_steps", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 1
+    assert "trainer.max_steps=0" in result.stderr and "Traceback" not in result.stderr
