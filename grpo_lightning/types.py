@@ -128,6 +128,10 @@ class RolloutBatch:
     iteration: int = 0
     # Prefix of every metric of this batch: "" in training, "eval_" (or "eval_<set>_") in evaluation.
     metric_prefix: str = ""
+    # Micro-steps in this batch's optimizer step: ``accumulate_grad_batches``, or fewer for the
+    # short last window of an epoch (Lightning steps the optimizer at the epoch's end). None: the
+    # trainer's ``accumulate_grad_batches``.
+    accumulation_steps: int | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -257,18 +261,36 @@ class PolicyHandle(Protocol):
         (the same numerics) as the training step: otherwise a bf16-trained policy would be
         sampled in fp32 and the ratio of a replayed batch would not start at 1."""
 
+    def generation_context(self) -> ContextManager[None]:
+        """Whole weights for the duration of the block: gathers sharded parameters (FSDP2
+        unshard, DeepSpeed ZeRO-3 ``GatheredParameters``) so ``policy`` can generate or be copied
+        into an inference engine; a no-op when the weights are not sharded."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion: the tokenizer's EOS plus the model's generation-config
+        EOS ids (chat models such as Gemma-it end a turn with another id)."""
+
 
 def missing_handle_members(obj: Any) -> list[str]:
     """Members of :class:`PolicyHandle` that ``obj`` lacks (empty when it is a valid handle).
 
     ``isinstance(obj, PolicyHandle)`` is not used: from Python 3.12 it looks attributes up
-    statically and so misses ``nn.Module`` submodules such as ``policy``.
+    statically and so misses ``nn.Module`` submodules; ``hasattr`` is not used either, since it
+    evaluates properties (``policy`` exists only once the models are built).
     """
     names = (
         "policy", "tokenizer", "device", "policy_version", "rollout_logprobs", "needs_reference_logprobs",
-        "precision_context",
+        "precision_context", "generation_context", "eos_token_ids",
     )
-    return [name for name in names if not hasattr(obj, name)]
+    return [name for name in names if not _declares(obj, name)]
+
+
+def _declares(obj: Any, name: str) -> bool:
+    """Whether ``obj`` has ``name`` without evaluating it (a property may need built models)."""
+    if any(name in vars(cls) for cls in type(obj).__mro__):
+        return True
+    return name in getattr(obj, "__dict__", {}) or name in getattr(obj, "_modules", {})
 
 
 PromptInput = Sequence[int]

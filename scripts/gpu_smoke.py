@@ -49,6 +49,11 @@ class StepLog(pl.Callback):
         self.times.append(time.perf_counter() - self.started)
 
 
+def _built(module):
+    module.configure_model()
+    return module
+
+
 def fit(loss, max_steps, lr=5e-4, forward=ForwardOptions(), **data):
     precision = "bf16-mixed" if CUDA else "32-true"
     pl.seed_everything(0)
@@ -76,7 +81,7 @@ def main() -> None:
         kwargs = {"beta": 0.04}
         if name == "luspo":
             kwargs["importance_sampling_level"] = "sequence"
-        module = GRPOModule(MODEL, loss=LOSSES[name](**kwargs), save_final_model=False)
+        module = _built(GRPOModule(MODEL, loss=LOSSES[name](**kwargs), save_final_model=False))
         before = [p.detach().clone() for p in module.policy.parameters()]
         module, log = fit(LOSSES[name](**kwargs), max_steps=2, lr=1e-2, per_device_train_batch_size=32,
                           steps_per_generation=2)
@@ -84,7 +89,7 @@ def main() -> None:
         ref_device = next(module.ref_policy.parameters()).device.type
         report[f"loss_{name}"] = {"all_params_changed": changed, "reference_on": ref_device}
         assert changed and ref_device == next(module.policy.parameters()).device.type, report
-    before = [p.detach().clone() for p in GRPOModule(MODEL, save_final_model=False).policy.parameters()]
+    before = [p.detach().clone() for p in _built(GRPOModule(MODEL, save_final_model=False)).policy.parameters()]
     module, log = fit("dapo", max_steps=2, lr=1e-2, forward=ForwardOptions(train_token_budget=256))
     changed = all(not torch.equal(b.to(p.device), p) for b, p in zip(before, module.policy.parameters()))
     report["train_token_budget"] = {"all_params_changed": changed, "median_step_s": round(sorted(log.times)[1], 4)}

@@ -53,3 +53,9 @@ def length_reward_with_extras(completions, log_extra=None, log_metric=None, **kw
 def none_for_odd_answers(completions, answer, **kwargs):
     """Not applicable (None) to prompts with an odd answer: a multi-task reward."""
     return [None if int(a) % 2 else float(len(c)) for c, a in zip(completions, answer)]
+
+
+def built(module):
+    """``module`` with its models built (``configure_model``), as a Trainer would before fitting."""
+    module.configure_model()
+    return module

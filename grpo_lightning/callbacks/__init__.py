@@ -1,5 +1,10 @@
-"""Lightning callbacks for GRPO runs (selected in YAML under ``trainer.callbacks``)."""
+"""Lightning callbacks for GRPO runs (selected in YAML under ``trainer.callbacks``).
+
+``WeightSync`` lives with the data side that owns the sampler (the datamodule adds it by itself
+when a sampler keeps its own weights); it is exported here with the other callbacks.
+"""
 
 from grpo_lightning.callbacks.completion_logger import CompletionLogger
+from grpo_lightning.data.weight_sync import WeightSync
 
-__all__ = ["CompletionLogger"]
+__all__ = ["CompletionLogger", "WeightSync"]

@@ -19,6 +19,7 @@ from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
 from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
+from grpo_lightning.data.weight_sync import WeightSync
 from grpo_lightning.rewards.loading import resolve_reward_funcs
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers import HFGenerateSampler, Sampler, get_sampler
@@ -219,6 +220,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if stage == "validate" and not self.eval_sources:
             raise ValueError("grpo validate needs evaluation prompts: set data.eval_dataset.")
         self.sampler.bind(handle)
+        if self.sampler.keeps_own_weights and not any(isinstance(c, WeightSync) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(WeightSync())  # the sampler's copy of the weights follows the policy
         self.rewards.to(self.trainer.strategy.root_device)  # reward models score on the training device
         if stage == "fit" and self.builder is None:
             self._setup_training(handle)
@@ -325,7 +328,20 @@ class RolloutDataModule(pl.LightningDataModule):
         if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
-        return batch
+        return self._with_accumulation_window(batch, ref)
+
+    def _with_accumulation_window(self, batch: RolloutBatch, ref: MicroStepRef) -> RolloutBatch:
+        """Stamp the number of micro-steps in ``ref``'s optimizer step. Lightning steps the
+        optimizer at an epoch's end, so the last window of an epoch may be short: its per-step
+        normalisers (the accumulation divisor, the global token count) must count only the
+        micro-steps it has."""
+        assert self.schedule is not None
+        accumulate = self.trainer.accumulate_grad_batches
+        within = ref.step % self.schedule.steps_per_epoch
+        steps = min(accumulate, self.schedule.steps_per_epoch - (within - within % accumulate))
+        return replace(
+            batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate
+        )
 
     def eval_batch(self, ref: EvalRef) -> RolloutBatch:
         """Generate and score one validation step (no buffering, no shuffling)."""
@@ -335,7 +351,7 @@ class RolloutDataModule(pl.LightningDataModule):
         state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
         built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
         prefix = f"eval_{ref.name}_" if ref.name else "eval_"
-        return replace(built.micro_batches[0], metric_prefix=prefix)
+        return replace(built.micro_batches[0], metric_prefix=prefix, accumulation_steps=1)
 
     def _generate(self, ref: MicroStepRef) -> list[RolloutBatch]:
         assert self.builder is not None and self.prompt_order is not None
@@ -365,6 +381,9 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.system_prompt is not None and isinstance(prompt, list) and prompt[0].get("role") != "system":
             prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
         return {**row, "prompt": prompt}
+
+    def teardown(self, stage: str) -> None:
+        self.sampler.close()
 
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
 from grpo_lightning.data.prompt_format import check_context_length, decode_completions, tokenize_prompt
 from grpo_lightning.data.prompt_order import GenerationPlan
+from grpo_lightning.data.sampling import generate_checked, with_rollout_fields
 from grpo_lightning.data.sources import is_conversational
 from grpo_lightning.rewards.runner import RewardRunner
 from grpo_lightning.samplers.base import Sampler
@@ -125,6 +126,7 @@ class RolloutBuilder:
         conversational = is_conversational(prompts[0])
         completions = decode_completions(completion_ids, tokenizer, conversational)
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns = with_rollout_fields(columns, rollouts)
         scores = score_counted_rows(
             self.rewards, counts, prompts=prompts, completions=completions, completion_ids=completion_ids,
             columns=columns, trainer_state=trainer_state,
@@ -200,9 +202,9 @@ class RolloutBuilder:
         runs = [b - a for a, b in zip(starts, starts[1:] + [len(row_ids)])]
         if all(n == s.num_generations for n in runs):
             unique = [tokenize_prompt(prompts[i], tokenizer, s.chat_template_kwargs) for i in starts]
-            return self.sampler.generate(unique, s.num_generations, s.params)
+            return generate_checked(self.sampler, self.handle, unique, s.num_generations, s.params)
         per_row = [tokenize_prompt(p, tokenizer, s.chat_template_kwargs) for p in prompts]
-        return self.sampler.generate(per_row, 1, s.params)
+        return generate_checked(self.sampler, self.handle, per_row, 1, s.params)
 
     def _pad(self, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> RolloutBatch:
         s, tokenizer = self.settings, self.handle.tokenizer
@@ -238,11 +240,12 @@ class RolloutBuilder:
         )
         return batch.to(device)
 
-    def _truncated(self, rollouts: list[Rollout]) -> torch.Tensor:
-        """TRL's rule: truncated iff the last completion id is neither EOS nor pad."""
-        tokenizer = self.handle.tokenizer
-        done = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-        return torch.tensor([not r.completion_ids or r.completion_ids[-1] not in done for r in rollouts])
+    @staticmethod
+    def _truncated(rollouts: list[Rollout]) -> torch.Tensor:
+        """Truncated iff generation did not stop on an end-of-sequence id (the sampler knows every
+        id that ends a turn; TRL's rule, "last id is not the tokenizer's EOS or pad", counts a
+        chat model's end-of-turn id as truncation)."""
+        return torch.tensor([not r.ended_on_eos for r in rollouts], dtype=torch.bool)
 
     def _metrics(
         self, rollouts: list[Rollout], batch: RolloutBatch, global_rewards: torch.Tensor, scores: Any, stats: Any,

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+import dataclasses
 from contextlib import nullcontext
 from typing import Any, ContextManager, Literal
 
@@ -13,17 +14,17 @@ import lightning.pytorch as pl
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_only
 
-from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss, merge_metrics
+from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
-from grpo_lightning.module.model_loading import CausalLM, check_model_sources
+from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
 from grpo_lightning.module.optimizer_settings import check_optimizer_settings
-from grpo_lightning.utils.checkpointing import set_activation_checkpointing
-from grpo_lightning.module.metrics import MetricsWindow, reduce_metric_values
-from grpo_lightning.module.model_loading import frozen_copy, load_policy, load_tokenizer, zero_dropout
-from grpo_lightning.module.training_parts import training_parts
+from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
+from grpo_lightning.module.model_info import read_model_info
+from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
+from grpo_lightning.module.sharding import clip_by_total_norm_, full_state_dict, gathered_weights, total_grad_norm
+from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
@@ -103,9 +104,6 @@ class GRPOModule(pl.LightningModule):
             raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
         check_model_sources(model, tokenizer)  # before any weights or tokenizer load
         self.loss: PolicyLoss = get_loss(fresh_instance(loss))
-        self.policy = load_policy(
-            model, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code, dtype=dtype
-        )
         tokenizer_source = tokenizer or (model if isinstance(model, str) else getattr(model, "name_or_path", None))
         if not tokenizer_source:
             raise ValueError(
@@ -113,15 +111,13 @@ class GRPOModule(pl.LightningModule):
                 "name_or_path: give the tokenizer's path."
             )
         self._tokenizer = load_tokenizer(tokenizer_source, trust_remote_code=trust_remote_code)
-        if disable_dropout:
-            zero_dropout(self.policy)
-        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
-        if gradient_checkpointing:
-            set_activation_checkpointing(self.policy, True)
-        if getattr(self.policy, "config", None) is not None:
-            self.policy.config.use_cache = False  # training forwards never reuse a KV cache
-        # Frozen copy of the initial weights; only when the loss has a KL term.
-        self.ref_policy = frozen_copy(self.policy) if self.loss.beta != 0 else None
+        self.model_info = read_model_info(model, trust_remote_code=trust_remote_code)
+        # The weights are built in configure_model (where a strategy can shard them). A model
+        # object is held outside the module tree until then, so it is not registered twice.
+        self._model_source = _Unregistered(model)
+        self.model_settings = ModelSettings(model_init_kwargs, trust_remote_code, dtype, gradient_checkpointing, disable_dropout)
+        #: The frozen reference model (a submodule once built; ``None`` when ``beta == 0``).
+        self.ref_policy: torch.nn.Module | None = None
 
         self.learning_rate = learning_rate
         self.optimizer_factory = optimizer
@@ -134,14 +130,48 @@ class GRPOModule(pl.LightningModule):
         self.save_final_model = save_final_model
         self.forward_options = forward
 
-        self._window = MetricsWindow()
+        #: The metrics of the last finished optimizer step, by their TRL names (also in
+        #: ``trainer.callback_metrics``): what callbacks such as ``EarlyStopping`` monitor.
+        self.step_metrics: dict[str, float] = {}
+        self._metrics = TrainingMetrics()
         self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
-        self._step_loss = 0.0
-        self._step_time = 0.0
+        self._parts = PartsBackward()
         self._batch_started = 0.0
         self._grad_norm = math.nan
         self._last_global_step = 0
-        self._grads_zeroed_at: int | None = None  # see _zero_grad_before_parts
+
+    # ------------------------------------------------------------------------- models
+    def configure_model(self) -> None:
+        """Build the policy and, when the loss has ``beta != 0``, the frozen reference.
+
+        Lightning calls this inside the strategy's init contexts (device, sharding, precision),
+        so FSDP2/FSDP/DeepSpeed can shard what it builds; it is idempotent (fit, then validate).
+        """
+        if "policy" in self._modules:
+            return
+        mesh = data_parallel_mesh(getattr(self, "_device_mesh", None))
+        built = build_models(self._model_source.value, self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
+        if mesh is not None and (self.forward_options.chunked_lm_head or self.forward_options.padding_free):
+            # The optimized paths run the decoder and the LM head outside the root module's
+            # forward, whose hooks gather FSDP2's root group: use the model's own forward.
+            log.info("FSDP2: model.forward uses the plain path (full forward, no chunked LM head/packing).")
+            self.forward_options = dataclasses.replace(
+                self.forward_options, chunked_lm_head=False, padding_free=False, share_prompt_prefix=False
+            )
+        self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
+        self.ref_policy = built.reference
+        self._model_source = _Unregistered(None)  # the policy now holds it
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The policy being trained (built by :meth:`configure_model`)."""
+        policy = self._modules.get("policy")
+        if policy is None:
+            raise RuntimeError(
+                "GRPOModule.policy is built in configure_model(): run it through a Trainer, or call "
+                "module.configure_model() first."
+            )
+        return policy
 
     def setup(self, stage: str) -> None:
         strategy = type(self.trainer.strategy).__name__
@@ -162,13 +192,26 @@ class GRPOModule(pl.LightningModule):
 
     @property
     def needs_reference_logprobs(self) -> bool:
-        return self.ref_policy is not None
+        return self.loss.beta != 0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_info.eos_token_ids(self._tokenizer)
+
+    @property
+    def max_context_length(self) -> int | None:
+        """The policy's context length (``max_position_embeddings``), when its config says."""
+        return self.model_info.max_context_length
 
     def precision_context(self) -> ContextManager[None]:
         """The trainer's forward precision context (autocast under ``*-mixed`` precision)."""
         if self._trainer is None:
             return nullcontext()
         return self.trainer.precision_plugin.forward_context()
+
+    def generation_context(self) -> ContextManager[None]:
+        """Whole policy weights inside the block (FSDP2 unshard, ZeRO-3 gather); else a no-op."""
+        return gathered_weights(self.policy)
 
     @torch.no_grad()
     def rollout_logprobs(self, batch: RolloutBatch, *, reference: bool, chunk_size: int) -> torch.Tensor:
@@ -197,43 +240,25 @@ class GRPOModule(pl.LightningModule):
 
     # ----------------------------------------------------------------------- training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        parts = training_parts(batch, self.forward_options)  # [batch] unless a token budget splits it
-        totals = None
-        if len(parts) > 1:
-            totals = MicroBatchTotals.of(batch.loss_mask)
-            if batch_idx % self.trainer.accumulate_grad_batches == 0:
-                self._zero_grad_before_parts(batch_idx)
-        losses, metrics = [], []
-        for index, part in enumerate(parts):
-            out = self._policy_loss(part, totals)
-            if index < len(parts) - 1:
-                # Backward now, freeing this part's activations; the last part's loss goes back to
-                # Lightning, whose backward completes the micro-step (and any gradient sync).
-                self.trainer.strategy.backward(out.loss, None)
-            losses.append(out.loss)
-            metrics.append(out.metrics)
-        self._window.add(batch.generation_metrics)
-        merged = merge_metrics(metrics) if len(metrics) > 1 else metrics[0]
-        self._window.add(reduce_metric_values(merged, self._all_reduce if self.trainer.world_size > 1 else None))
-        self._step_loss += sum(float(loss.detach()) for loss in losses)
-        self._step_time += batch.prepare_seconds
-        # The loss is in TRL's scale, which already includes any division by the accumulation
-        # steps; Lightning divides by accumulate_grad_batches again, so undo that here.
-        return losses[-1] * self.trainer.accumulate_grad_batches
+        """Log-probs of the completion tokens → the policy loss → the step's metrics."""
+        step = self._step_loss(batch, batch_idx)
+        self._metrics.add(batch.generation_metrics)
+        self._metrics.add(reduce_metric_values(step.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
+        self._metrics.loss += step.value
+        self._metrics.seconds += batch.prepare_seconds
+        # The loss is in TRL's scale, which already divides by the step's accumulation count;
+        # Lightning divides by accumulate_grad_batches again, so undo that here.
+        return step.loss * self.trainer.accumulate_grad_batches
 
-    def _zero_grad_before_parts(self, batch_idx: int) -> None:
-        """Lightning zeroes the gradients of a new accumulation window *after* its first
-        ``training_step`` (right before that step's backward), which would erase the parts
-        backpropagated inside the step: zero them now and skip Lightning's call for this step."""
-        for optimizer in self.trainer.optimizers:
-            optimizer.zero_grad()
-        self._grads_zeroed_at = batch_idx
+    def _step_loss(self, batch: RolloutBatch, batch_idx: int) -> StepLoss:
+        parts = training_parts(batch, self.forward_options)  # [batch] unless a token budget splits it
+        if len(parts) == 1:
+            return StepLoss.of(self._policy_loss(batch, None))
+        return self._parts.run(parts, self._policy_loss, MicroBatchTotals.of(batch.loss_mask), self.trainer, batch_idx)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        if self._grads_zeroed_at == batch_idx:
-            self._grads_zeroed_at = None  # done before this step's parts
-            return
-        optimizer.zero_grad()
+        if not self._parts.skips_zero_grad(batch_idx):
+            optimizer.zero_grad()
 
     def _policy_loss(self, batch: RolloutBatch, totals: MicroBatchTotals | None) -> LossOutput:
         """The loss of ``batch`` (a micro-batch, or the part of one whose ``totals`` are given)."""
@@ -260,7 +285,7 @@ class GRPOModule(pl.LightningModule):
                 num_items_in_batch=batch.num_items_in_batch,
                 max_completion_length=batch.max_completion_length,
                 num_processes=self.trainer.world_size,
-                gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
+                gradient_accumulation_steps=batch.accumulation_steps or self.trainer.accumulate_grad_batches,
                 entropy_coef=self.entropy_coef,
                 totals=totals,
             )
@@ -269,19 +294,8 @@ class GRPOModule(pl.LightningModule):
     # --------------------------------------------------------------------- evaluation
     def validation_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Score a freshly generated evaluation batch: TRL's ``eval_*`` metrics and ``eval_loss``
-        (the loss in evaluation form: on-policy, no accumulation)."""
-        logps, entropies = completion_logprobs(
-            self.policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-            batch.temperature, options=self.forward_options,
-        )
-        out = self.loss(
-            LossInputs(
-                logps=logps, old_logps=None, advantages=batch.advantages, mask=batch.loss_mask,
-                ref_logps=batch.ref_logps, entropies=entropies, num_items_in_batch=batch.num_items_in_batch,
-                max_completion_length=batch.max_completion_length, num_processes=self.trainer.world_size,
-                gradient_accumulation_steps=1, entropy_coef=self.entropy_coef,
-            )
-        )
+        (the loss in evaluation form: on-policy, a window of one micro-step)."""
+        out = self._policy_loss(batch, None)
         window = self._eval_windows.setdefault(batch.metric_prefix, MetricsWindow())
         window.add(batch.generation_metrics)
         window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
@@ -298,49 +312,80 @@ class GRPOModule(pl.LightningModule):
             metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=self.trainer.global_step)
-            for name in ("reward", "loss"):
-                if prefix + name in metrics:  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
-                    self.log(prefix + name, metrics[prefix + name], logger=False, prog_bar=name == "reward")
+            for name, value in metrics.items():  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
+                self.log(name, value, logger=False, prog_bar=name == prefix + "reward")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_started = time.perf_counter()
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad.detach().float().norm() for p in self.policy.parameters() if p.grad is not None]
-        self._grad_norm = float(torch.stack(grads).norm()) if grads else math.nan  # before clipping
-
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._step_time += time.perf_counter() - self._batch_started
-        if self.trainer.global_step == self._last_global_step:
-            return  # still accumulating
+        if self.trainer.global_step == self._last_global_step:  # still accumulating
+            self._metrics.seconds += time.perf_counter() - self._batch_started
+            return
         self._last_global_step = self.trainer.global_step
-        loss = self._step_loss
-        if self.trainer.world_size > 1:
-            loss = float(self._all_reduce(torch.tensor(loss, device=self.device), "sum")) / self.trainer.world_size
-        self._window.add(
-            {
-                "loss": loss,
-                "step_time": self._step_time,
-                "grad_norm": self._grad_norm,
-                "learning_rate": self.trainer.optimizers[0].param_groups[0]["lr"],
-            }
-        )
-        self._step_loss, self._step_time = 0.0, 0.0
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop:
-            self._log_window(progress_bar=True)
+            self._log_to_loggers()
 
     def on_train_epoch_end(self) -> None:
-        if self._window:
-            self._log_window(progress_bar=False)
+        if self._metrics:
+            self._log_to_loggers()
 
-    def _log_window(self, progress_bar: bool) -> None:
-        metrics = {k: v for k, v in self._window.flush().items() if not math.isnan(v)}
+    def _log_to_loggers(self) -> None:
+        metrics = self._metrics.flush_log()
         metrics["epoch"] = float(self.current_epoch)
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.trainer.global_step)
-        for name in ("reward", "loss") if progress_bar else ():
-            if name in metrics:
-                self.log(name, metrics[name], prog_bar=True, logger=False, on_step=True, batch_size=1)
+
+    # --------------------------------------------------- the end of an optimizer step
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's gradients are complete: measure their norm (before clipping) and publish the
+        step's metrics, so callbacks see them in this step's ``on_train_batch_end``."""
+        self._unscale_fused_amp_gradients(optimizer)
+        self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=self._fsdp1)
+        self._publish_step_metrics(optimizer)
+
+    def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
+        loss = self._metrics.loss
+        if self.trainer.world_size > 1:
+            loss = float(self._all_reduce(torch.tensor(loss, device=self.device), "sum")) / self.trainer.world_size
+        once = {
+            "loss": loss,
+            "step_time": self._metrics.seconds + time.perf_counter() - self._batch_started,
+            "grad_norm": self._grad_norm,
+            "learning_rate": optimizer.param_groups[0]["lr"],
+        }
+        if self.entropy_coef != 0:
+            once["entropy_coef"] = float(self.entropy_coef)
+        self.step_metrics = self._metrics.close_step(once)
+        for name, value in self.step_metrics.items():
+            self.log(name, value, logger=False, prog_bar=name in ("reward", "loss"), on_step=True, on_epoch=False,
+                     batch_size=1)
+
+    def _unscale_fused_amp_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under fp16 AMP Lightning leaves a fused optimizer's gradients scaled (the optimizer
+        unscales inside its step); the norm and clipping need them unscaled, so do it here."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)
+
+    @property
+    def _fsdp1(self) -> bool:
+        return type(self.trainer.strategy).__name__ == "FSDPStrategy"
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the global norm measured in ``on_before_optimizer_step`` (correct under
+        sharding, and valid for fused optimizers under mixed precision, whose gradients are
+        unscaled by then: Lightning's own clipping refuses that combination)."""
+        if not gradient_clip_val:
+            return
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        if gradient_clip_algorithm in (None, "norm"):
+            clip_by_total_norm_(params, float(gradient_clip_val), self._grad_norm)
+        else:
+            torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.trainer.strategy.reduce(tensor.clone().to(self.device), reduce_op=op)
@@ -369,12 +414,23 @@ class GRPOModule(pl.LightningModule):
         if self.save_final_model:
             self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
 
-    @rank_zero_only
     def export(self, directory: str) -> None:
-        """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers)."""
-        self.policy.save_pretrained(directory)
+        """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers).
+
+        Collective under sharding: every rank gathers its shards, global rank 0 writes."""
+        state = full_state_dict(self.policy)
+        if self._trainer is not None and not self.trainer.is_global_zero:
+            return
+        self.policy.save_pretrained(directory, state_dict=state)
         self.tokenizer.save_pretrained(directory)
         log.info("Final policy saved to %s", directory)
+
+
+class _Unregistered:
+    """Holds a value (a model object) without registering it as a submodule."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:

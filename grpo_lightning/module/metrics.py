@@ -74,3 +74,40 @@ class MetricsWindow:
         self._values.clear()
         self._latest.clear()
         return out
+
+
+class TrainingMetrics:
+    """The training loop's metrics, kept two ways from the same values.
+
+    * per optimizer step, for callbacks: :meth:`close_step` returns the step's values (means over
+      its micro-steps and generation batches) when the step's gradients are complete;
+    * since the last log, for the loggers: :meth:`flush_log` returns TRL's average-since-last-log
+      (spec §4: generation metrics once per generation batch, loss metrics once per micro-step,
+      ``loss``/``grad_norm``/``step_time``/... once per optimizer step).
+
+    ``loss`` and ``seconds`` accumulate the current step's TRL-scale loss and ``training_step``
+    wall time.
+    """
+
+    def __init__(self) -> None:
+        self._step = MetricsWindow()
+        self._log = MetricsWindow()
+        self.loss = 0.0
+        self.seconds = 0.0
+
+    def add(self, values: dict[str, float]) -> None:
+        self._step.add(values)
+        self._log.add(values)
+
+    def close_step(self, once_per_step: dict[str, float]) -> dict[str, float]:
+        """Add the once-per-step values and return the finished step's metrics (NaNs dropped)."""
+        self.add(once_per_step)
+        self.loss, self.seconds = 0.0, 0.0
+        return {name: value for name, value in self._step.flush().items() if not math.isnan(value)}
+
+    def flush_log(self) -> dict[str, float]:
+        """The loggers' values since the last log (NaNs dropped), then cleared."""
+        return {name: value for name, value in self._log.flush().items() if not math.isnan(value)}
+
+    def __bool__(self) -> bool:
+        return bool(self._log)

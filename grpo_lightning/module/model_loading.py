@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from typing import Any, Protocol, runtime_checkable
@@ -142,15 +141,10 @@ def load_tokenizer(source: "str | Any", *, trust_remote_code: bool = False) -> A
     return tokenizer
 
 
-def frozen_copy(policy: torch.nn.Module) -> torch.nn.Module:
-    """The reference model: a frozen copy of the *initial* policy weights, in eval mode.
-
-    TRL re-loads the reference from the policy's path, so a policy object modified in memory is
-    not what the KL is measured against (spec §14.12); copying the object avoids that.
-    """
-    reference = copy.deepcopy(policy)
-    reference.requires_grad_(False)
-    return reference.eval()
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` frozen as a reference: no gradients, eval mode (no dropout)."""
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def zero_dropout(model: torch.nn.Module) -> None:

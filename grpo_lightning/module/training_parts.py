@@ -10,9 +10,35 @@ metrics are those of the one-pass step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
 from grpo_lightning.algo.shared_prefix import budget_groups
+from grpo_lightning.losses import LossOutput, MicroBatchTotals, merge_metrics
 from grpo_lightning.module.forward_options import ForwardOptions
-from grpo_lightning.types import RolloutBatch
+from grpo_lightning.types import MetricValue, RolloutBatch
+
+
+@dataclass
+class StepLoss:
+    """What one ``training_step`` produced.
+
+    Attributes:
+        loss: The tensor handed back to Lightning for backward (the last part's loss when the
+            micro-batch was trained in parts).
+        metrics: Loss-side metrics of the whole micro-batch (sums and counts).
+        value: The micro-step's loss in TRL's scale (all parts), for logging.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, MetricValue]
+    value: float
+
+    @classmethod
+    def of(cls, out: LossOutput) -> "StepLoss":
+        return cls(out.loss, out.metrics, float(out.loss.detach()))
 
 
 def training_parts(batch: RolloutBatch, options: ForwardOptions) -> list[RolloutBatch]:
@@ -34,3 +60,51 @@ def training_parts(batch: RolloutBatch, options: ForwardOptions) -> list[Rollout
     if len(groups) == 1:
         return [batch]
     return [batch.select_rows(rows) for rows in groups]
+
+
+class PartsBackward:
+    """Trains the parts of one micro-batch inside a single Lightning ``training_step``.
+
+    Two Lightning details, handled here once:
+
+    * every part but the last is backpropagated inside the step (freeing its activations); the
+      last part's loss goes back to Lightning, whose backward completes the micro-step and, under
+      DDP, the gradient sync (``strategy.backward`` of earlier parts accumulates locally);
+    * Lightning zeroes the gradients of a new accumulation window *after* that window's first
+      ``training_step`` (right before its backward), which would erase the parts already
+      backpropagated: the first step of a window zeroes them before its parts instead, and
+      :meth:`skips_zero_grad` tells the module's ``optimizer_zero_grad`` to skip Lightning's call.
+    """
+
+    def __init__(self) -> None:
+        self._zeroed_at: int | None = None
+
+    def run(
+        self,
+        parts: list[RolloutBatch],
+        loss_of: Callable[[RolloutBatch, MicroBatchTotals], LossOutput],
+        totals: MicroBatchTotals,
+        trainer: Any,
+        batch_idx: int,
+    ) -> StepLoss:
+        """Forward+backward of each part but the last; the last part's loss is left for
+        Lightning to backpropagate."""
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad()
+            self._zeroed_at = batch_idx
+        outputs = []
+        for index, part in enumerate(parts):
+            out = loss_of(part, totals)
+            if index < len(parts) - 1:
+                trainer.strategy.backward(out.loss, None)
+            outputs.append(out)
+        value = sum(float(o.loss.detach()) for o in outputs)
+        return StepLoss(outputs[-1].loss, merge_metrics([o.metrics for o in outputs]), value)
+
+    def skips_zero_grad(self, batch_idx: int) -> bool:
+        """True (once) when this step's gradients were already zeroed before its parts."""
+        if self._zeroed_at == batch_idx:
+            self._zeroed_at = None
+            return True
+        return False

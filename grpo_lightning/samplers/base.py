@@ -15,18 +15,34 @@ from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Ro
 class Sampler(ABC):
     """Base class of generation back-ends (HF generate, continuous batching, vLLM, ...).
 
-    Lifecycle: ``bind(handle)`` once when training starts, then ``generate`` for every generation
-    batch; ``on_policy_updated`` whenever the optimizer has changed the policy and a back-end that
-    keeps its own copy of the weights (vLLM) must refresh them before the next ``generate``.
+    Lifecycle:
+
+    1. ``bind(handle)`` once when training starts (the live policy, tokenizer, device, version);
+    2. ``on_policy_updated(handle, version)``, the one entry for new weights: a weight-sync
+       callback calls it after every optimizer step (and after a resume) for back-ends that keep
+       their own copy of the weights (``keeps_own_weights``); it pushes them and records the
+       version now served;
+    3. ``generate`` for every generation batch; the rollout builder first checks that
+       ``served_version`` is the policy's current version and raises otherwise, so a missing
+       callback or a failed push can never silently sample old weights;
+    4. ``close()`` at teardown.
     """
 
     #: Short name usable in YAML (``data.sampler: hf_generate``).
     name: ClassVar[str] = ""
     #: True when ``Rollout.sampling_logprobs`` is filled (enables sampler-side IS correction).
     provides_logprobs: ClassVar[bool] = False
+    #: True for back-ends with their own copy of the weights (vLLM, a remote server): they need
+    #: ``on_policy_updated`` after each optimizer step. False for back-ends that read the live
+    #: policy (HF generate), which always serve the current version.
+    keeps_own_weights: ClassVar[bool] = False
+    #: Names of the ``Rollout.extra`` fields this back-end fills (an agent's ``turns``, a tool
+    #: result, ...): reward functions receive them as columns, and may require them by name.
+    rollout_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._handle: PolicyHandle | None = None
+        self._served_version: int | None = None
 
     def bind(self, handle: PolicyHandle) -> None:
         """Attach the live policy (model, tokenizer, device, version)."""
@@ -41,6 +57,27 @@ class Sampler(ABC):
             )
         return self._handle
 
+    @property
+    def served_version(self) -> int | None:
+        """The policy version (optimizer step) whose weights ``generate`` samples from; ``None``
+        before a back-end with its own weights received any."""
+        if not self.keeps_own_weights:
+            return self.handle.policy_version  # the live policy is always current
+        return self._served_version
+
+    def on_policy_updated(self, handle: PolicyHandle, version: int) -> None:
+        """Serve the policy at ``version`` from now on: push its weights (``push_weights``) and
+        record the version. Raises if the push fails; never returns with old weights served."""
+        if self.keeps_own_weights:
+            self.push_weights(handle, version)
+        self._served_version = version
+
+    def push_weights(self, handle: PolicyHandle, version: int) -> None:
+        """Copy the policy's current weights into the back-end and verify they are served
+        (back-ends with ``keeps_own_weights`` override this). Runs inside
+        ``handle.generation_context()`` when weights are sharded."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its own weights but does not implement push_weights.")
+
     @abstractmethod
     def generate(
         self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams
@@ -51,6 +88,5 @@ class Sampler(ABC):
         prompt 0 first, then those of prompt 1, and so on.
         """
 
-    def on_policy_updated(self, policy_version: int) -> None:
-        """Called before generating when the policy changed since the last call. In-process
-        samplers that read the live model need nothing here."""
+    def close(self) -> None:
+        """Release the back-end's resources (engines, servers, threads) at teardown."""

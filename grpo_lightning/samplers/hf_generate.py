@@ -36,8 +36,11 @@ def generation_mode(model: torch.nn.Module) -> Iterator[None]:
 class HFGenerateSampler(Sampler):
     """Samples with ``transformers`` ``generate`` on the policy being trained (no weight copies).
 
-    Prompts are left-padded into batches; a completion is cut after its first EOS token
-    (inclusive), as TRL does.
+    Prompts are left-padded into batches. Generation stops on any of the policy's end-of-sequence
+    ids (``handle.eos_token_ids``: the tokenizer's EOS and the model generation config's, e.g. a
+    chat model's end-of-turn id), and a completion is cut after the first of them (inclusive).
+    Under a sharding strategy the weights are gathered once around the whole request
+    (``handle.generation_context()``).
 
     Args:
         cache_implementation: KV-cache implementation passed to ``GenerationConfig``
@@ -64,7 +67,7 @@ class HFGenerateSampler(Sampler):
             do_sample=True,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(self.handle.eos_token_ids),
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
@@ -83,8 +86,9 @@ class HFGenerateSampler(Sampler):
         step = self.max_batch_rows or len(rows)
         config = self.generation_config(params)
         rollouts: list[Rollout] = []
-        for start in range(0, len(rows), step):
-            rollouts.extend(self._generate_rows(rows[start : start + step], config))
+        with self.handle.generation_context():
+            for start in range(0, len(rows), step):
+                rollouts.extend(self._generate_rows(rows[start : start + step], config))
         return rollouts
 
     def _generate_rows(self, rows: list[list[int]], config: Any) -> list[Rollout]:
@@ -104,12 +108,12 @@ class HFGenerateSampler(Sampler):
                 generation_config=config,
             )
         completions = sequences[:, width:].tolist()  # (R, <=max_new_tokens)
-        eos = tokenizer.eos_token_id
+        stop = set(handle.eos_token_ids)
         version = handle.policy_version
         rollouts = []
         for prompt, ids in zip(rows, completions):
-            ended = eos in ids
-            if ended:
-                ids = ids[: ids.index(eos) + 1]
-            rollouts.append(Rollout(prompt, ids, ended_on_eos=ended, policy_version=version))
+            end = next((i for i, token in enumerate(ids) if token in stop), None)
+            if end is not None:
+                ids = ids[: end + 1]
+            rollouts.append(Rollout(prompt, ids, ended_on_eos=end is not None, policy_version=version))
         return rollouts

@@ -16,7 +16,7 @@ import torch
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward, make_model_dir, write_prompts
+from tests.helpers import length_reward, make_model_dir, write_prompts, built
 
 
 def one_step(model_dir, prompts, loss, accumulate, tmp_path):
@@ -46,7 +46,7 @@ def completions(data) -> list[tuple[int, ...]]:
 def test_one_micro_batch_equals_two_accumulated(tmp_path, loss):
     model_dir = make_model_dir(tmp_path / "m")
     prompts = write_prompts(tmp_path / "p.jsonl")
-    initial = [p.detach().clone() for p in GRPOModule(model_dir).policy.parameters()]
+    initial = [p.detach().clone() for p in built(GRPOModule(model_dir)).policy.parameters()]
     whole, data_whole = one_step(model_dir, prompts, loss, 1, tmp_path)
     split, data_split = one_step(model_dir, prompts, loss, 2, tmp_path)
     assert len(data_whole._buffer) == 1 and len(data_split._buffer) == 2

@@ -20,7 +20,7 @@ from grpo_lightning.losses import DAPOLoss, get_loss
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward, make_model_dir, write_prompts
+from tests.helpers import length_reward, make_model_dir, write_prompts, built
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def one_step(model_dir, prompts, loss, forward: ForwardOptions, tmp_path, entrop
 def test_token_budget_parts_take_the_same_step(tmp_path, loss, entropy_coef, padding_free):
     model_dir = make_model_dir(tmp_path / "m")
     prompts = write_prompts(tmp_path / "p.jsonl")
-    initial = [p.detach().clone() for p in GRPOModule(model_dir).policy.parameters()]
+    initial = [p.detach().clone() for p in built(GRPOModule(model_dir)).policy.parameters()]
     loss = get_loss(loss) if isinstance(loss, str) else loss
     one_pass, metrics, calls = one_step(
         model_dir, prompts, loss, ForwardOptions(padding_free=padding_free), tmp_path, entropy_coef
@@ -135,7 +135,7 @@ def test_token_budget_under_ddp_takes_the_same_step(tmp_path):
     backward syncs the sum across ranks, as with one pass."""
     one_pass = _ddp_final_weights(tmp_path, "one_pass", {})
     in_parts = _ddp_final_weights(tmp_path, "in_parts_run", {"train_token_budget": 16})
-    initial = GRPOModule(make_model_dir(tmp_path / "model")).policy.state_dict()
+    initial = built(GRPOModule(make_model_dir(tmp_path / "model"))).policy.state_dict()
     assert any(not torch.equal(one_pass[k], initial[k]) for k in one_pass), "the step did not move the weights"
     for key, value in one_pass.items():
         torch.testing.assert_close(in_parts[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")

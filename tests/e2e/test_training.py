@@ -10,7 +10,7 @@ from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.losses import LOSSES
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward, make_model_dir, write_prompts
+from tests.helpers import length_reward, make_model_dir, write_prompts, built
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def loss_for(name: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
 def test_each_loss_type_trains_two_steps_and_changes_every_parameter(assets, tmp_path, loss_name):
-    module = GRPOModule(assets["model"], loss=loss_for(loss_name))
+    module = built(GRPOModule(assets["model"], loss=loss_for(loss_name)))
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     module, _, trainer = fit(assets, tmp_path, loss=loss_for(loss_name))
     assert trainer.global_step == 2
