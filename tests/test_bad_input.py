@@ -105,3 +105,11 @@ def test_prompt_longer_than_the_model_context_names_rows_and_fix(tmp_path):
     path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
     with pytest.raises(ValueError, match=r"row 7 \(14 tokens\).*max_completion_length=4.*context of 16 tokens.*at most 2"):
         fit(str(short_context), str(path), num_generations=2, per_device_train_batch_size=16, shuffle_dataset=False)
+
+
+def test_eval_batch_size_is_checked_only_when_there_is_an_eval_set(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    RolloutDataModule(prompts, reward_funcs=[length_reward], num_generations=3, per_device_train_batch_size=6)
+    with pytest.raises(ValueError, match=r"data\.per_device_eval_batch_size"):
+        RolloutDataModule(prompts, reward_funcs=[length_reward], num_generations=3, per_device_train_batch_size=6,
+                          eval_dataset=prompts)

@@ -178,7 +178,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.multi_objective_aggregation = multi_objective_aggregation
         self.mask_truncated_completions = mask_truncated_completions
         self.num_generations_eval = num_generations_eval or num_generations
-        if self.num_generations_eval < 1 or per_device_eval_batch_size % self.num_generations_eval:
+        evaluates = bool(eval_dataset)
+        if evaluates and (self.num_generations_eval < 1 or per_device_eval_batch_size % self.num_generations_eval):
             raise ValueError(
                 f"data.per_device_eval_batch_size={per_device_eval_batch_size} is not a multiple of "
                 f"data.num_generations_eval={self.num_generations_eval}: each validation step scores whole groups."

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
-import dataclasses
 from contextlib import nullcontext
 from typing import Any, ContextManager, Literal
 
@@ -18,12 +18,13 @@ from lightning.pytorch.cli import OptimizerCallable
 from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
-from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
-from grpo_lightning.module.optimizer_settings import check_optimizer_settings
+from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
-from grpo_lightning.module.model_info import read_model_info
 from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
-from grpo_lightning.module.sharding import clip_by_total_norm_, full_state_dict, gathered_weights, total_grad_norm
+from grpo_lightning.module.model_info import read_model_info
+from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
+from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
+from grpo_lightning.module.sharding import full_state_dict, gathered_weights
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
@@ -226,14 +227,8 @@ class GRPOModule(pl.LightningModule):
             rows = slice(start, start + chunk_size)
             with self.precision_context():  # the numerics of the training forward
                 logps, _ = completion_logprobs(
-                    model,
-                    batch.prompt_ids[rows],
-                    batch.prompt_mask[rows],
-                    batch.completion_ids[rows],
-                    batch.completion_mask[rows],
-                    batch.temperature,
-                    with_entropy=False,
-                    options=self.forward_options,
+                    model, batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
+                    batch.completion_mask[rows], batch.temperature, with_entropy=False, options=self.forward_options,
                 )
             chunks.append(logps)
         return torch.cat(chunks)
@@ -338,10 +333,11 @@ class GRPOModule(pl.LightningModule):
 
     # --------------------------------------------------- the end of an optimizer step
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step's gradients are complete: measure their norm (before clipping) and publish the
-        step's metrics, so callbacks see them in this step's ``on_train_batch_end``."""
-        self._unscale_fused_amp_gradients(optimizer)
-        self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=self._fsdp1)
+        """The step's gradients are complete: measure their global norm (before clipping) and
+        publish the step's metrics, so callbacks see them in this step's ``on_train_batch_end``."""
+        unscale_fused_amp_gradients(self.trainer.precision_plugin, optimizer)
+        fsdp1 = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # flat shards as plain tensors
+        self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=fsdp1)
         self._publish_step_metrics(optimizer)
 
     def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
@@ -361,53 +357,25 @@ class GRPOModule(pl.LightningModule):
             self.log(name, value, logger=False, prog_bar=name in ("reward", "loss"), on_step=True, on_epoch=False,
                      batch_size=1)
 
-    def _unscale_fused_amp_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Under fp16 AMP Lightning leaves a fused optimizer's gradients scaled (the optimizer
-        unscales inside its step); the norm and clipping need them unscaled, so do it here."""
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
-            scaler.unscale_(optimizer)
-
-    @property
-    def _fsdp1(self) -> bool:
-        return type(self.trainer.strategy).__name__ == "FSDPStrategy"
-
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Clip by the global norm measured in ``on_before_optimizer_step`` (correct under
-        sharding, and valid for fused optimizers under mixed precision, whose gradients are
-        unscaled by then: Lightning's own clipping refuses that combination)."""
-        if not gradient_clip_val:
-            return
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        if gradient_clip_algorithm in (None, "norm"):
-            clip_by_total_norm_(params, float(gradient_clip_val), self._grad_norm)
-        else:
-            torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
+        sharding, and valid for fused optimizers under mixed precision, which Lightning refuses)."""
+        clip_gradients_(self.policy.parameters(), gradient_clip_val, gradient_clip_algorithm, self._grad_norm)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.trainer.strategy.reduce(tensor.clone().to(self.device), reduce_op=op)
 
     # ---------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:
-        from transformers import get_scheduler
-
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
-        else:
-            # The fused kernel (TRL's default too) where the parameters' device supports it.
-            optimizer = torch.optim.AdamW(
-                params, lr=self.learning_rate, weight_decay=self.weight_decay, fused=_fused_adamw_supported(params)
-            )
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = self.warmup_steps or math.ceil(self.warmup_ratio * total_steps)
-        scheduler = get_scheduler(
-            self.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+        return build_optimizer(
+            [p for p in self.policy.parameters() if p.requires_grad], self.optimizer_factory,
+            learning_rate=self.learning_rate, weight_decay=self.weight_decay, lr_scheduler_type=self.lr_scheduler_type,
+            warmup_steps=self.warmup_steps, warmup_ratio=self.warmup_ratio,
+            total_steps=int(self.trainer.estimated_stepping_batches),
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------- export
     def on_train_end(self) -> None:
@@ -432,10 +400,3 @@ class _Unregistered:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-
-def _fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
-    """Fused AdamW needs floating-point parameters on a device with a fused kernel."""
-    if not params:
-        return False
-    device = params[0].device.type
-    return device in ("cuda", "cpu", "xpu", "mps") and all(p.is_floating_point() for p in params)

@@ -1,8 +1,12 @@
-"""The default optimizer's settings, and their conflict with a configured ``model.optimizer``."""
+"""The optimizer and learning-rate schedule: the default AdamW's settings, their conflict with a
+configured ``model.optimizer``, and the construction of both for ``configure_optimizers``."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
+
+import torch
 
 from grpo_lightning.errors import ConfigError
 
@@ -34,3 +38,37 @@ def check_optimizer_settings(optimizer: Any, learning_rate: float, weight_decay:
             "default AdamW. Give the value in the optimizer's init_args (model.optimizer.init_args.lr, "
             f".weight_decay) and remove {names}."
         )
+
+
+def build_optimizer(
+    params: list[torch.nn.Parameter],
+    factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    lr_scheduler_type: str,
+    warmup_steps: int,
+    warmup_ratio: float,
+    total_steps: int,
+) -> dict[str, Any]:
+    """``configure_optimizers``' answer: the optimizer (the factory's, or AdamW fused where the
+    parameters' device has the kernel, TRL's default too) and a per-step HF schedule over
+    ``total_steps`` with ``warmup_steps`` (else ``warmup_ratio`` of the steps) of warm-up."""
+    from transformers import get_scheduler
+
+    if factory is not None:
+        optimizer = factory(params)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused_adamw_supported(params))
+    total_steps = max(total_steps, 1)
+    warmup = warmup_steps or math.ceil(warmup_ratio * total_steps)
+    scheduler = get_scheduler(lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def fused_adamw_supported(params: list[torch.nn.Parameter]) -> bool:
+    """Fused AdamW needs floating-point parameters on a device with a fused kernel."""
+    if not params:
+        return False
+    device = params[0].device.type
+    return device in ("cuda", "cpu", "xpu", "mps") and all(p.is_floating_point() for p in params)

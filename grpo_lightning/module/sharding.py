@@ -4,14 +4,14 @@ Lightning's FSDP2 (``ModelParallelStrategy``), FSDP and DeepSpeed ZeRO-3 strateg
 with a shard of every parameter (and of every gradient). Three things need the whole tensors:
 generation (and copies into an inference engine), the gradient norm, and the exported model. Each
 has one function here that asks the layout what it is, so the module never special-cases a
-strategy inline. On a single device or under DDP every function takes its plain path.
+strategy inline. On a single device or under DDP every function takes its plain path. (The
+gradient norm lives in ``gradients.py``.)
 """
 
 from __future__ import annotations
 
-import math
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, ContextManager, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -76,57 +76,6 @@ def gathered_weights(model: torch.nn.Module, *, writeback: bool = False) -> Cont
     return nullcontext()
 
 
-def gathered_many(models: Iterable[torch.nn.Module | None]) -> ContextManager[None]:
-    """:func:`gathered_weights` of several models at once (``None`` entries are skipped)."""
-    stack = ExitStack()
-    for model in models:
-        if model is not None:
-            stack.enter_context(gathered_weights(model))
-    return stack
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
-
-
-def total_grad_norm(parameters: Iterable[torch.nn.Parameter], *, sharded_plain_grads: bool = False) -> float:
-    """The L2 norm of all gradients of the whole model, on every rank.
-
-    DTensor gradients (FSDP2) reduce over their mesh; ``sharded_plain_grads`` (FSDP1: each rank
-    holds a flat slice as a plain tensor) sums the squares over the default process group. Plain
-    full gradients (single device, DDP after its all-reduce) need no communication.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return math.nan
-    dtensors = [g for g in grads if _is_dtensor(g)]
-    plain = [g for g in grads if not _is_dtensor(g)]
-    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    if plain:
-        squares = squares + torch.stack([g.detach().float().pow(2).sum() for g in plain]).sum()
-        if sharded_plain_grads and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(squares)
-    if dtensors:
-        norm = torch.nn.utils.get_total_norm(dtensors, 2.0)  # a DTensor with partial placement
-        squares = squares + (norm.full_tensor() if _is_dtensor(norm) else norm).float().pow(2)
-    return float(squares.sqrt())
-
-
-def scale_grads_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
-    """Multiply every gradient by ``factor`` in place (plain tensors and DTensors alike)."""
-    if factor == 1.0:
-        return
-    for p in parameters:
-        if p.grad is not None:
-            p.grad.mul_(factor)
-
-
-def clip_by_total_norm_(parameters: list[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
-    """``clip_grad_norm_`` given the already-computed global norm (same coefficient as torch)."""
-    if math.isfinite(total_norm):
-        scale_grads_(parameters, min(1.0, max_norm / (total_norm + 1e-6)))
-
-
 def full_state_dict(model: torch.nn.Module, strategy: Any = None) -> dict[str, torch.Tensor]:
     """The whole, unsharded state dict of ``model`` (CPU tensors where gathered).
 
@@ -134,7 +83,10 @@ def full_state_dict(model: torch.nn.Module, strategy: Any = None) -> dict[str, t
     which is the one that writes the export.
     """
     if _fsdp2_modules(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _zero3_parameters(model):
@@ -142,7 +94,11 @@ def full_state_dict(model: torch.nn.Module, strategy: Any = None) -> dict[str, t
             return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     root = _fsdp1_root(model)
     if root is not None:
-        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+        from torch.distributed.fsdp import (
+            FullStateDictConfig,
+            FullyShardedDataParallel,
+            StateDictType,
+        )
 
         config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
         with FullyShardedDataParallel.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):

@@ -60,3 +60,21 @@ def test_checkpoint_and_early_stopping_monitor_trl_metrics_from_yaml(tmp_path):
     checkpoint = trainer.checkpoint_callback
     assert float(checkpoint.best_model_score) == pytest.approx(max(lengths))
     assert checkpoint.best_model_path.endswith("best.ckpt")
+
+
+def test_entropy_coef_is_a_step_metric_when_the_bonus_is_on(tmp_path):
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+    from grpo_lightning.types import GenerationParams
+    from tests.helpers import length_reward
+
+    recorder = RecordStepMetrics()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[recorder],
+                         default_root_dir=str(tmp_path))
+    module = GRPOModule(make_model_dir(tmp_path / "m"), entropy_coef=0.05, save_final_model=False)
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=8, generation=GenerationParams(max_completion_length=4))
+    trainer.fit(module, data)
+    assert [step["entropy_coef"] for step in recorder.steps] == pytest.approx([0.05, 0.05])
+    assert "policy_loss" in recorder.steps[0]  # the loss before the bonus, logged when it is on
