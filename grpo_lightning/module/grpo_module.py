@@ -114,8 +114,8 @@ class GRPOModule(pl.LightningModule):
         self._tokenizer = load_tokenizer(tokenizer_source, trust_remote_code=trust_remote_code)
         self.model_info = read_model_info(model, trust_remote_code=trust_remote_code)
         # The weights are built in configure_model (where a strategy can shard them). A model
-        # object is held outside the module tree until then, so it is not registered twice.
-        self._model_source = _Unregistered(model)
+        # object is held in a tuple until then, so it is not registered as a submodule twice.
+        self._model_source: tuple[Any] = (model,)
         self.model_settings = ModelSettings(model_init_kwargs, trust_remote_code, dtype, gradient_checkpointing, disable_dropout)
         #: The frozen reference model (a submodule once built; ``None`` when ``beta == 0``).
         self.ref_policy: torch.nn.Module | None = None
@@ -151,7 +151,7 @@ class GRPOModule(pl.LightningModule):
         if "policy" in self._modules:
             return
         mesh = data_parallel_mesh(getattr(self, "_device_mesh", None))
-        built = build_models(self._model_source.value, self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
+        built = build_models(self._model_source[0], self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
         if mesh is not None and (self.forward_options.chunked_lm_head or self.forward_options.padding_free):
             # The optimized paths run the decoder and the LM head outside the root module's
             # forward, whose hooks gather FSDP2's root group: use the model's own forward.
@@ -161,7 +161,7 @@ class GRPOModule(pl.LightningModule):
             )
         self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
         self.ref_policy = built.reference
-        self._model_source = _Unregistered(None)  # the policy now holds it
+        self._model_source = (None,)  # the policy now holds it
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -392,11 +392,4 @@ class GRPOModule(pl.LightningModule):
         self.policy.save_pretrained(directory, state_dict=state)
         self.tokenizer.save_pretrained(directory)
         log.info("Final policy saved to %s", directory)
-
-
-class _Unregistered:
-    """Holds a value (a model object) without registering it as a submodule."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
