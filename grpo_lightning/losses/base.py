@@ -46,8 +46,9 @@ class PolicyLoss:
     Args:
         epsilon: Lower clipping range ``ε_lo``: the ratio is clipped below at ``1 − epsilon``
             (clipped family only).
-        epsilon_high: Upper clipping range ``ε_hi`` (``1 + epsilon_high``); ``None`` means
-            ``epsilon``. For ``cispo`` it is the cap on the ratio itself (TRL recommends 5.0).
+        epsilon_high: Upper clipping range ``ε_hi`` (``1 + epsilon_high``); ``None`` means the
+            class's ``default_epsilon_high``, which is ``epsilon`` unless a subclass sets one. For
+            ``cispo`` it is the cap on the ratio itself and ``None`` means 5.0 (ScaleRL).
         delta: Two-sided clipping (INTELLECT-2): caps the unclipped ratio at ``delta`` (> 1);
             ``None`` disables. Clipped family only.
         beta: Coefficient of the k3 KL penalty to the reference model; 0 disables it and no
@@ -64,6 +65,8 @@ class PolicyLoss:
     multiplies_is_weight: ClassVar[bool] = True
     # grpo-like families divide by the accumulation steps; dapo/cispo/vespo use a global count.
     divides_by_accumulation: ClassVar[bool] = True
+    # ε_hi when epsilon_high is None; None here means "epsilon" (cispo overrides it with 5.0).
+    default_epsilon_high: ClassVar[float | None] = None
 
     def __init__(
         self,
@@ -111,8 +114,11 @@ class PolicyLoss:
 
     @property
     def epsilon_high_value(self) -> float:
-        """``ε_hi``: ``epsilon_high``, or ``epsilon`` when that is ``None``."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+        """``ε_hi``: ``epsilon_high``; when that is ``None``, the class's ``default_epsilon_high``,
+        or ``epsilon`` when the class sets none."""
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return self.epsilon if self.default_epsilon_high is None else self.default_epsilon_high
 
     def _warn_about_level(self) -> None:
         level = self.importance_sampling_level

@@ -17,14 +17,15 @@ class CISPOLoss(PolicyLoss):
     the weight is only capped. There is no lower bound. Aggregated like ``dapo``:
     ``Σ L m / (max(N, 1) / P)``, not divided by ``GA``.
 
-    Gotcha kept from TRL: ``ε_hi`` defaults to ``epsilon`` (0.2), which caps every weight at 0.2;
-    the paper's setting is ``epsilon_high=5.0``.
+    ``ε_hi`` defaults to 5.0, the ScaleRL-recommended cap that TRL's documentation states. This
+    deviates from TRL 1.16's code, which falls back to ``epsilon`` (0.2) and so caps every weight
+    at 0.2; pass ``epsilon_high=0.2`` (or ``epsilon``) to reproduce that (docs/losses.md).
 
     Metric: ``cispo_clip_ratio``, the fraction of tokens with ``c1 > ε_hi`` and ``A > 0``.
 
     Args:
-        epsilon: Used only as the default of ``epsilon_high``.
-        epsilon_high: The cap ``ε_hi`` on the importance weight; ``None`` means ``epsilon``.
+        epsilon: Unused by CISPO (kept for a uniform signature; not the default cap).
+        epsilon_high: The cap ``ε_hi`` on the importance weight; ``None`` means 5.0.
         delta: Ignored by CISPO (kept for a uniform signature).
         beta: KL penalty coefficient; 0 disables the reference model.
         importance_sampling_level: ``"token"`` or ``"sequence"``.
@@ -34,6 +35,7 @@ class CISPOLoss(PolicyLoss):
 
     name = "cispo"
     divides_by_accumulation = False
+    default_epsilon_high = 5.0  # ScaleRL; TRL 1.16's code uses epsilon (0.2)
 
     def per_token_loss(self, state: LossState) -> TokenLoss:
         cap = self.epsilon_high_value

@@ -1,12 +1,23 @@
-"""``chunked_head_logprobs`` equals log-softmax of the full logits, values and gradients."""
+"""``chunked_head_logprobs`` equals log-softmax of the full logits, values and gradients.
+
+References are computed in float64 (a float64 copy of the head and the hidden states, with the
+log-softmax written out here), so each float32 result is held to its own rounding error
+(``tests/numerics.py``): a linear head (``HIDDEN``-term dot products) then a ``VOCAB``-term
+log-softmax, errors relative to the logits' magnitude; gradients add the sum over tokens.
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
+from tests.numerics import assert_close_f32
+
+HIDDEN, VOCAB, TOKENS = 8, 37, 11
 
 
 def _reference(hidden, ids, head, temperature, logit_scale=None, softcap=None, entropy_requires_grad=False):
@@ -21,6 +32,43 @@ def _reference(hidden, ids, head, temperature, logit_scale=None, softcap=None, e
     return lp[0], ent[0]
 
 
+def _reference64(hidden, ids, head, temperature, logit_scale=None, softcap=None, entropy_requires_grad=False):
+    """``(logps, entropies, max |logit / temperature|)`` in float64, written out independently of
+    the code under test. ``hidden`` and ``head`` are float64 copies."""
+    z = head(hidden)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z / temperature  # (n, V)
+    log_norm = torch.logsumexp(z, dim=-1)
+    logps = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_norm
+    with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+        entropies = log_norm - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logps, entropies, float(z.detach().abs().max())
+
+
+def _float64(head, h):
+    """Float64 copies of the head and of the hidden states (a fresh leaf)."""
+    return copy.deepcopy(head).double(), h.detach().double().requires_grad_(h.requires_grad)
+
+
+def _assert_values(out, ref, logit_scale):
+    """Log-probs and entropies: a ``HIDDEN``-term dot product then a ``VOCAB``-term log-sum-exp,
+    errors relative to the logits."""
+    assert_close_f32(out[0], ref[0], reduction_size=HIDDEN + VOCAB, scale=logit_scale, msg="log-probs")
+    if out[1] is not None:
+        assert_close_f32(out[1], ref[1], reduction_size=HIDDEN + VOCAB, scale=logit_scale, msg="entropies")
+
+
+def _assert_grads(grads, ref_grads, logit_scale, tokens=TOKENS):
+    """Gradients: the forward's error enters as a relative error ``eps·|z|`` of the probabilities,
+    then the backward sums over the vocabulary (hidden states) or the tokens (weight, bias)."""
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        scale = logit_scale * float(want.abs().max())
+        assert_close_f32(got, want, reduction_size=HIDDEN + VOCAB + tokens, scale=scale, msg=f"grad {name}")
+
+
 class WrappedHead(torch.nn.Module):
     """A head that is not a bare ``nn.Linear`` (as an adapter-wrapped head): takes the
     checkpointed path."""
@@ -33,7 +81,7 @@ class WrappedHead(torch.nn.Module):
         return self.linear(x)
 
 
-def _setup(seed=0, tokens=11, hidden=8, vocab=37, bias=True):
+def _setup(seed=0, tokens=TOKENS, hidden=HIDDEN, vocab=VOCAB, bias=True):
     torch.manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=bias)
     with torch.no_grad():
@@ -65,70 +113,85 @@ def test_matches_full_logits_values_and_gradients(head_kind, chunk_tokens, recom
     used = head if head_kind == "linear" else WrappedHead(head)
     temperature = 0.7
     weights = torch.randn(2, h.shape[0])
-    ref = _reference(h, ids, head, temperature, entropy_requires_grad=entropy_requires_grad, **transform)
-    ref_grads = _grads(head, h, (ref[0], ref[1] if entropy_requires_grad else None), weights)
+    head64, h64 = _float64(head, h)
+    ref = _reference64(h64, ids, head64, temperature, entropy_requires_grad=entropy_requires_grad, **transform)
+    ref_grads = _grads(head64, h64, (ref[0], ref[1] if entropy_requires_grad else None), weights.double())
     out = chunked_head_logprobs(
         h, ids, used, temperature, chunk_tokens=chunk_tokens, recompute=recompute,
         entropy_requires_grad=entropy_requires_grad, **transform,
     )
     assert out[0].dtype == torch.float32 and out[0].shape == ids.shape
-    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-5)
+    _assert_values(out, ref, ref[2])
     assert out[1].requires_grad == entropy_requires_grad
     grads = _grads(head, h, (out[0], out[1] if entropy_requires_grad else None), weights)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _assert_grads(grads, ref_grads, ref[2])
 
 
 def test_frozen_head_gets_no_gradient_and_hidden_still_does():
     head, h, ids = _setup()
     head.requires_grad_(False)
-    ref = _reference(h, ids, head, 0.8)
+    head64, h64 = _float64(head, h)
+    ref = _reference64(h64, ids, head64, 0.8)
     ref[0].sum().backward()
-    want, h.grad = h.grad.clone(), None
     lp, _ = chunked_head_logprobs(h, ids, head, 0.8, chunk_tokens=3)
     lp.sum().backward()
     assert head.weight.grad is None
-    torch.testing.assert_close(h.grad, want, rtol=1e-5, atol=1e-5)
+    _assert_grads([h.grad], [h64.grad], ref[2])
 
 
 def test_bf16_autocast_matches_the_autocast_reference():
+    """Both sides run the head in bf16 under autocast and the log-softmax in float32: values agree
+    to float32 rounding (both sides), gradients to bf16 rounding of the backward's inputs."""
     head, h, ids = _setup(vocab=50)
     weights = torch.randn(2, h.shape[0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = _reference(h, ids, head, 0.9)
+        logits = head(h)
+        lp, ent = token_logprobs_and_entropy(logits.unsqueeze(0), ids.unsqueeze(0), 0.9)
+        ref = (lp[0], ent[0])
         out = chunked_head_logprobs(h, ids, head, 0.9, chunk_tokens=4)
-    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-5)
+    logit_scale = float((logits.float() / 0.9).abs().max())
+    assert_close_f32(out[0], ref[0], reduction_size=HIDDEN + 50, scale=logit_scale, msg="log-probs")
+    assert_close_f32(out[1], ref[1], reduction_size=HIDDEN + 50, scale=logit_scale, msg="entropies")
+    # The backward multiplies bf16-rounded factors (relative error ≤ 2^-8 each, so ≤ eps_bf16 per
+    # product) and accumulates in float32: a hard bound of eps_bf16 · Σ|terms| per side, where the
+    # terms are the logit gradient g times the other factor: |g| |W|, |g|ᵀ |h|, Σ_t |g|.
+    g = torch.autograd.grad((ref[0] * weights[0]).sum(), logits, retain_graph=True)[0].float().abs()  # (n, V)
+    bounds = (g @ head.weight.detach().abs(), g.t() @ h.detach().abs(), g.sum(0))
     ref_grads = _grads(head, h, (ref[0], None), weights)
     grads = _grads(head, h, (out[0], None), weights)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name, got, want, bound in zip(("hidden", "weight", "bias"), grads, ref_grads, bounds):
+        assert_close_f32(got, want, dtype=torch.bfloat16, scale=float(bound.max()), safety=1.0, msg=f"grad {name}")
 
 
 def test_no_grad_and_no_entropy():
     head, h, ids = _setup(bias=False)
-    ref = _reference(h, ids, head, 1.3)
+    head64, h64 = _float64(head, h)
+    ref = _reference64(h64, ids, head64, 1.3)
     with torch.no_grad():
         lp, ent = chunked_head_logprobs(h, ids, head, 1.3, chunk_tokens=2, with_entropy=False, softcap=None)
     assert ent is None and not lp.requires_grad
-    torch.testing.assert_close(lp, ref[0], rtol=1e-5, atol=1e-5)
+    _assert_values((lp, None), ref, ref[2])
     with torch.no_grad():  # in-place transforms under no_grad
         lp, ent = chunked_head_logprobs(h, ids, head, 1.3, chunk_tokens=5, softcap=3.0, logit_scale=0.5)
-    ref = _reference(h, ids, head, 1.3, logit_scale=0.5, softcap=3.0)
-    torch.testing.assert_close(lp, ref[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref[1], rtol=1e-5, atol=1e-5)
+    ref = _reference64(h64, ids, head64, 1.3, logit_scale=0.5, softcap=3.0)
+    _assert_values((lp, ent), ref, ref[2])
 
 
 def test_bf16_head_output_is_scored_in_fp32():
+    """The bf16 head's logits are scored in float32: against the float64 log-softmax of the same
+    bf16 logits, only float32 rounding of the softmax remains (bf16 scoring would be ~300x off)."""
     head, h, ids = _setup()
     head = head.to(torch.bfloat16)
     hb = h.detach().to(torch.bfloat16)
     lp, ent = chunked_head_logprobs(hb, ids, head, 0.9, chunk_tokens=4)
     ref = token_logprobs_and_entropy(head(hb).unsqueeze(0), ids.unsqueeze(0), 0.9)
     assert lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ref[0][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref[1][0], rtol=1e-5, atol=1e-5)
+    z = head(hb).double() / 0.9
+    log_norm = torch.logsumexp(z, -1)
+    ref64 = (z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_norm, log_norm - (z.softmax(-1) * z).sum(-1))
+    for got, want, want64, name in zip((lp, ent), ref, ref64, ("log-probs", "entropies")):
+        assert_close_f32(got, want64, reduction_size=VOCAB, scale=float(z.abs().max()), msg=name)
+        assert_close_f32(got, want[0], reduction_size=VOCAB, scale=float(z.abs().max()), msg=name)
 
 
 def test_empty_and_bad_shapes():

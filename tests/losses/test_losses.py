@@ -26,8 +26,11 @@ from grpo_lightning.losses import (
     top_entropy_mask,
 )
 from grpo_lightning.types import MetricValue
+from tests.numerics import f32_tolerance
 
-TOL = 1e-6
+# The hand cases run in float64 (their exact values hold to ~1e-15); only the metrics are float32,
+# one rounding of values of magnitude ≤ 4: a float32 tolerance at scale 1 bounds every comparison.
+TOL = f32_tolerance(reduction_size=1, scale=1.0)
 
 
 def _flat(x):
@@ -119,10 +122,24 @@ def test_cispo_by_hand():
     assert "clip_ratio/region_mean" not in m
 
 
-def test_cispo_default_cap_is_epsilon():
-    loss, _, _ = _loss_and_grad("cispo")
+def test_cispo_default_cap_is_5():
+    """ε_hi defaults to 5.0 (ScaleRL, as TRL's docs state), not to epsilon as in TRL 1.16's code."""
+    assert CISPOLoss().epsilon_high_value == 5.0 and CISPOLoss(epsilon=0.1).epsilon_high_value == 5.0
+    assert CISPOLoss().epsilon_high is None  # the setting stays unset; only its meaning is per class
+    assert GRPOLoss(epsilon=0.1).epsilon_high_value == 0.1  # the clipped family keeps ε_hi = ε
+    for kwargs in ({}, {"epsilon": 0.1}, {"epsilon_high": None}):
+        loss, grad, m = _loss_and_grad("cispo", **kwargs)
+        # no ratio reaches 5: row 0: −1.5·1·(−1) − 0.9·1·(−2) = 3.3; row 1: −0.5·(−1)·(−1) = −0.5
+        assert loss == pytest.approx(2.8 / 3, abs=TOL)
+        assert _flat(grad) == pytest.approx(_flat([[-1.5 / 3, -0.9 / 3], [0.5 / 3, 0.0]]), abs=TOL)
+        assert m["cispo_clip_ratio"] == 0.0
+
+
+def test_cispo_explicit_cap_of_trl_code_default():
+    loss, _, m = _loss_and_grad("cispo", epsilon_high=0.2)
     # weights capped at 0.2: row 0: 0.2·1 + 0.2·2 = 0.6; row 1: −0.2 → Σ 0.4 / 3
     assert loss == pytest.approx(0.4 / 3, abs=TOL)
+    assert m["cispo_clip_ratio"] == pytest.approx(2 / 3)  # row 0: both ratios exceed 0.2 with A > 0
 
 
 def test_sequence_level_by_hand():

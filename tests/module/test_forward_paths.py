@@ -1,9 +1,16 @@
 """The optimized log-prob forwards (chunked LM head, padding-free, token budget) give the plain
-path's log-probs, entropies, loss and parameter gradients."""
+path's log-probs, entropies, loss and parameter gradients.
+
+Each float32 path is compared with a float64 reference (a float64 copy of the model through the
+plain padded forward, the log-softmax and the loss written out in float64), within the float32
+rounding error of a forward through the model (``reduction_size`` and ``tests/numerics.py``).
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,6 +19,7 @@ from grpo_lightning.losses import LossInputs, get_loss
 from grpo_lightning.module import forward as forward_module
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
+from tests.numerics import assert_close_f32
 
 VOCAB = 61
 TEMPERATURE = 0.7
@@ -109,12 +117,96 @@ def run(model, batch, options=None, *, entropy_coef=0.1, loss="dapo", old_logps=
     return logps.detach(), entropies.detach(), out.loss.detach(), grads
 
 
-def assert_same(got, want, mask):
+def reduction_size(model, width: int) -> int:
+    """Sum of the reduction lengths on the path from the input embeddings to one log-prob, for
+    the float32 error model of ``tests/numerics.py``: per decoder layer the input norm, the q/k/v
+    projections, the scores (head size), the attention softmax and weighted sum over the
+    ``width`` positions, the output projection, the second norm, the MLP's up/gate projections
+    (hidden size) and its down projection (intermediate size); then the final norm, the LM head
+    and the log-softmax over the vocabulary."""
+    c = getattr(model, "module", model).config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_layer = 5 * c.hidden_size + head_dim + 2 * width + c.intermediate_size
+    return c.num_hidden_layers * per_layer + 2 * c.hidden_size + c.vocab_size
+
+
+@dataclass
+class Reference:
+    """What :func:`run` returns, computed in float64, with the error model of a float32 run."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    loss: torch.Tensor
+    grads: torch.Tensor
+    values_size: int  # reduction_size of a log-prob or entropy
+    grads_size: int  # the backward repeats the forward's reductions and sums over the tokens
+    logit_scale: float  # magnitude of what the last stages round: max |logit / T|, plus O(1) normed states
+    loss_scale: float  # the logit scale times the loss's sensitivity to a log-prob: |ratio·A| + entropy_coef
+
+
+def reference(
+    model, batch, *, entropy_coef=0.1, loss="dapo", old_logps=None, grad=True, temperature=TEMPERATURE
+) -> Reference:
+    """:func:`run`'s plain path in float64: a float64 copy of the model (sdpa attention) on the
+    padded batch, the log-softmax and entropy written out here, the loss on float64 inputs."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = batch
+    model64 = copy.deepcopy(getattr(model, "module", model)).double()
+    model64.config._attn_implementation = "sdpa"
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    width = completion_ids.shape[1]
+    with torch.set_grad_enabled(grad):
+        logits = model64(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+        z = logits[:, -(width + 1) : -1] / temperature  # (B, T, V)
+        log_norm = torch.logsumexp(z, -1)
+        logps = z.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - log_norm
+        with torch.set_grad_enabled(grad and entropy_coef != 0):
+            entropies = log_norm - (torch.softmax(z, -1) * z).sum(-1)
+        out = get_loss(loss)(
+            LossInputs(
+                logps=logps, old_logps=None if old_logps is None else old_logps.double(),
+                advantages=advantages.double(), mask=completion_mask, entropies=entropies,
+                entropy_coef=entropy_coef, num_items_in_batch=completion_mask.sum().double(),
+            )
+        )
+    if grad:
+        out.loss.backward()
+    grads = torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model64.parameters()
+    ])
+    mask = completion_mask.bool()
+    size = reduction_size(model64, input_ids.shape[1])
+    logit_scale = float(z.detach()[mask].abs().max()) + 1.0 if mask.any() else 1.0
+    term_scale = 1.5 * float(advantages.abs().max()) + entropy_coef  # ratios stay within 1 ± 0.5 here
+    return Reference(
+        logps.detach(), entropies.detach(), out.loss.detach(), grads,
+        values_size=size, grads_size=2 * size + int(mask.sum()),
+        logit_scale=logit_scale, loss_scale=logit_scale * term_scale,
+    )
+
+
+def assert_same(got, want: Reference, mask):
+    """``got`` (a float32 :func:`run`) equals the float64 reference ``want`` to float32 rounding."""
     mask = mask.bool()
-    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)  # log-probs
-    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)  # entropies
-    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)  # loss
-    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)  # d loss / d parameters
+    size, z = want.values_size, want.logit_scale
+    assert_close_f32(got[0][mask], want.logps[mask], reduction_size=size, scale=z, msg="log-probs")
+    assert_close_f32(got[1][mask], want.entropies[mask], reduction_size=size, scale=z, msg="entropies")
+    assert_close_f32(got[2], want.loss, reduction_size=size, scale=want.loss_scale, msg="loss")
+    # A gradient's error is relative (exp turns the logits' absolute error into the probabilities'
+    # relative one), so its scale is the logits' times the gradient's magnitude.
+    grad_scale = z * float(want.grads.abs().max())
+    assert_close_f32(got[3], want.grads, reduction_size=want.grads_size, scale=grad_scale, msg="d loss / d params")
+
+
+def assert_same_values(got, want: Reference, mask):
+    """The no-grad pass: log-probs and entropies only."""
+    mask = mask.bool()
+    size, z = want.values_size, want.logit_scale
+    assert_close_f32(got[0][mask], want.logps[mask], reduction_size=size, scale=z, msg="log-probs")
+    assert_close_f32(got[1][mask], want.entropies[mask], reduction_size=size, scale=z, msg="entropies")
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
@@ -124,7 +216,8 @@ def assert_same(got, want, mask):
 def test_optimized_paths_match_plain(architecture, tie, path, entropy_coef, no_plain_fallback):
     model = tiny(architecture, tie)
     batch = make_batch()
-    want = run(model, batch, entropy_coef=entropy_coef)
+    want = reference(model, batch, entropy_coef=entropy_coef)
+    assert_same(run(model, batch, entropy_coef=entropy_coef), want, batch[3])  # the plain path itself
     got = run(model, batch, OPTIMIZED[path], entropy_coef=entropy_coef)
     assert_same(got, want, batch[3])
     # positions outside the completion mask hold 0
@@ -139,7 +232,7 @@ def test_packed_matches_plain_across_attention_and_losses(attn, loss, no_plain_f
     with torch.no_grad():
         old = completion_logprobs(model, *batch[:4], TEMPERATURE, with_entropy=False, options=OPTIMIZED["chunked"])[0]
     old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * batch[3]
-    want = run(model, batch, loss=loss, old_logps=old)
+    want = reference(model, batch, loss=loss, old_logps=old)
     got = run(model, batch, OPTIMIZED["chunked+packed-rows"], loss=loss, old_logps=old)
     assert_same(got, want, batch[3])
 
@@ -168,12 +261,10 @@ def test_token_budget_no_grad_pass_matches_and_keeps_row_order(budget, path):
         chunked_lm_head=base.chunked_lm_head, padding_free=base.padding_free, logprob_token_budget=budget
     )
     with torch.no_grad():
-        want = completion_logprobs(model, *batch[:4], TEMPERATURE, options=PLAIN)
         got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=options)
-    mask = batch[3].bool()
-    assert got[0].shape == want[0].shape
-    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)
+    want = reference(model, batch, grad=False)
+    assert got[0].shape == want.logps.shape
+    assert_same_values(got, want, batch[3])
 
 
 def test_token_budget_is_ignored_with_grad(no_plain_fallback):
@@ -207,7 +298,7 @@ def test_softcapping_model_matches_plain(no_plain_fallback):
     """Gemma 2: final logit soft-capping and sliding-window layers in the packed forward."""
     model = gemma2("sdpa", sliding_window=4)
     batch = make_batch()
-    want = run(model, batch)
+    want = reference(model, batch)
     for options in OPTIMIZED.values():
         assert_same(run(model, batch, options), want, batch[3])
 
@@ -216,7 +307,7 @@ def test_logit_scaling_model_matches_plain(no_plain_fallback):
     """Granite divides its logits by ``logits_scaling``."""
     model = granite("sdpa")
     batch = make_batch()
-    want = run(model, batch)
+    want = reference(model, batch)
     assert_same(run(model, batch, OPTIMIZED["chunked+packed"]), want, batch[3])
 
 
@@ -225,18 +316,19 @@ def test_unknown_architecture_falls_back_to_plain_with_a_log(monkeypatch, caplog
     monkeypatch.setattr(forward_module, "HEAD_MODEL_TYPES", set())
     monkeypatch.setattr(forward_module, "_logged", set())
     batch = make_batch()
-    want = run(model, batch)
+    want, plain = reference(model, batch), run(model, batch)
     with caplog.at_level(logging.INFO, logger="grpo_lightning.module.forward"):
         got = run(model, batch, ForwardOptions())
     assert "not in grpo_lightning.module.forward.HEAD_MODEL_TYPES" in caplog.text
     assert_same(got, want, batch[3])
-    torch.testing.assert_close(got[0], want[0])  # the plain path itself, padding positions too
+    # the plain path itself, padding positions (zeros) too
+    assert_close_f32(got[0], plain[0], reduction_size=want.values_size, scale=want.logit_scale)
 
 
 def test_unsupported_attention_keeps_chunked_head_on_padded_batch(monkeypatch, caplog):
     model = tiny("llama")
     batch = make_batch()
-    want = run(model, batch)
+    want = reference(model, batch)
     monkeypatch.setattr(forward_module, "_logged", set())
     monkeypatch.setattr(forward_module, "_MASKED_ATTENTION", ())
     layouts = []
@@ -250,7 +342,7 @@ def test_unsupported_attention_keeps_chunked_head_on_padded_batch(monkeypatch, c
 def test_completion_after_empty_prompt_uses_the_padded_batch(monkeypatch, caplog):
     model = tiny("qwen2")
     batch = make_batch((0, 3, 2), (3, 2, 4))
-    want = run(model, batch)
+    want = reference(model, batch)
     monkeypatch.setattr(forward_module, "_logged", set())
     with caplog.at_level(logging.INFO, logger="grpo_lightning.module.forward"):
         got = run(model, batch, ForwardOptions())
@@ -282,7 +374,7 @@ def test_wrapped_model_uses_hidden_states_through_the_wrapper(no_plain_fallback)
     model = tiny("qwen2", tie=True)
     wrapper = Wrapper(model)
     batch = make_batch()
-    want = run(model, batch)
+    want = reference(model, batch)
     for options in OPTIMIZED.values():
         calls = wrapper.calls
         got = run(wrapper, batch, options)
@@ -297,7 +389,7 @@ def test_gradient_checkpointing_and_train_mode(no_plain_fallback):
     set_activation_checkpointing(model, True)
     model.train()
     batch = make_batch()
-    want = run(model, batch)
+    want = reference(model, batch)
     assert_same(run(model, batch, ForwardOptions(lm_head_chunk_tokens=3)), want, batch[3])
 
 

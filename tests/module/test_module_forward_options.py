@@ -10,7 +10,9 @@ from grpo_lightning.module import grpo_module
 from grpo_lightning.module.forward import ForwardOptions
 from grpo_lightning.module.grpo_module import GRPOModule
 from grpo_lightning.types import RolloutBatch
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import built, make_model_dir, write_prompts
+from tests.module.test_forward_paths import reference
+from tests.numerics import assert_close_f32
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def _batch(rows=4):
 def test_default_options_and_rollout_logprobs_pass_them(model_dir, monkeypatch):
     assert GRPOModule(model_dir, save_final_model=False).forward_options == ForwardOptions()
     options = ForwardOptions(lm_head_chunk_tokens=3, logprob_token_budget=7)
-    module = GRPOModule(model_dir, save_final_model=False, forward=options)
+    module = built(GRPOModule(model_dir, save_final_model=False, forward=options))
     assert module.forward_options is options
     seen = []
     original = grpo_module.completion_logprobs
@@ -50,10 +52,16 @@ def test_default_options_and_rollout_logprobs_pass_them(model_dir, monkeypatch):
     batch = _batch()
     logps = module.rollout_logprobs(batch, reference=False, chunk_size=2)
     assert seen == [options]  # with a token budget the forward groups the whole batch by tokens itself
-    plain = GRPOModule(model_dir, save_final_model=False, forward=ForwardOptions.plain())
-    want = plain.rollout_logprobs(batch, reference=False, chunk_size=4)
+    plain = built(GRPOModule(model_dir, save_final_model=False, forward=ForwardOptions.plain()))
+    got_plain = plain.rollout_logprobs(batch, reference=False, chunk_size=4)
+    fields = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.advantages)
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)  # the weights both modules load
+    want = reference(policy, fields, grad=False, temperature=batch.temperature)  # float64
     mask = batch.completion_mask.bool()
-    torch.testing.assert_close(logps[mask], want[mask], rtol=1e-5, atol=1e-5)
+    for got in (logps, got_plain):
+        assert_close_f32(got[mask], want.logps[mask], reduction_size=want.values_size, scale=want.logit_scale)
 
 
 def test_cli_sets_forward_options(tmp_path):

@@ -1,5 +1,6 @@
 """The shared-prefix forward (``share_prompt_prefix``): rows with the same prompt forward it once,
-and log-probs, entropies, loss and every parameter gradient equal the plain path's."""
+and log-probs, entropies, loss and every parameter gradient equal the plain path's (its float64
+reference, to float32 rounding: ``tests/module/test_forward_paths.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from grpo_lightning.module import forward as forward_module
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from tests.algo.test_shared_prefix import grouped_batch
 from tests.module.test_forward_paths import (
-    PLAIN,
     TEMPERATURE,
     VOCAB,
     assert_same,
+    assert_same_values,
     gemma2,
     granite,
+    reference,
     run,
     tiny,
 )
@@ -63,7 +65,7 @@ def shared_layouts(monkeypatch):
 def test_shared_prefix_matches_plain(architecture, attn, path, shared_layouts, no_plain_fallback):
     model = MODELS[architecture](attn)
     batch = make_grouped()
-    want = run(model, batch)
+    want = reference(model, batch)
     got = run(model, batch, SHARED[path])
     assert len(shared_layouts) == 1 and shared_layouts[0] is not None
     expected_dtype = torch.float32 if attn == "eager" else torch.bool
@@ -79,7 +81,7 @@ def test_shared_prefix_matches_plain_with_old_logprobs(loss, shared_layouts, no_
     with torch.no_grad():
         old = completion_logprobs(model, *batch[:4], TEMPERATURE, with_entropy=False, options=UNSHARED)[0]
     old = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * batch[3]
-    want = run(model, batch, loss=loss, old_logps=old)
+    want = reference(model, batch, loss=loss, old_logps=old)
     assert_same(run(model, batch, ForwardOptions(), loss=loss, old_logps=old), want, batch[3])
     assert shared_layouts and shared_layouts[0] is not None
 
@@ -90,11 +92,8 @@ def test_no_grad_pass_matches_plain(architecture, attn, shared_layouts):
     model = MODELS[architecture](attn)
     batch = make_grouped(seed=1)
     with torch.no_grad():
-        want = completion_logprobs(model, *batch[:4], TEMPERATURE, options=PLAIN)
         got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions())
-    mask = batch[3].bool()
-    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)
+    assert_same_values(got, reference(model, batch, grad=False), batch[3])
     assert shared_layouts[0] is not None
 
 
@@ -103,11 +102,8 @@ def test_token_budget_groups_match_plain(budget, shared_layouts):
     model = tiny("llama", attn="sdpa")
     batch = make_grouped(seed=2)
     with torch.no_grad():
-        want = completion_logprobs(model, *batch[:4], TEMPERATURE, options=PLAIN)
         got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions(logprob_token_budget=budget))
-    mask = batch[3].bool()
-    torch.testing.assert_close(got[0][mask], want[0][mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1][mask], want[1][mask], rtol=1e-5, atol=1e-5)
+    assert_same_values(got, reference(model, batch, grad=False), batch[3])
     shared = [lay for lay in shared_layouts if lay is not None]
     assert bool(shared) == (budget > 1)  # a one-row group has nothing to share
 
@@ -141,7 +137,7 @@ def test_shared_forward_runs_fewer_tokens():
 def test_without_repeated_prompts_the_unshared_layout_runs(shared_layouts, no_plain_fallback):
     model = tiny("llama", attn="sdpa")
     batch = make_grouped(((6, (4,)), (3, (1,)), (5, (3,))))
-    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
+    assert_same(run(model, batch, ForwardOptions()), reference(model, batch), batch[3])
     assert shared_layouts == [None]
 
 
@@ -149,7 +145,7 @@ def test_sliding_window_shorter_than_a_unit_falls_back(shared_layouts, no_plain_
     """Gemma 2 with a 4-token window: no unit fits, so the unshared packing runs (and matches)."""
     model = gemma2("sdpa", sliding_window=4)
     batch = make_grouped()
-    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
+    assert_same(run(model, batch, ForwardOptions()), reference(model, batch), batch[3])
     assert shared_layouts == [None]
 
 
@@ -157,7 +153,7 @@ def test_sliding_window_caps_the_rows(shared_layouts, no_plain_fallback):
     """A window between the largest unit and the whole batch: rows stay within it, values match."""
     model = gemma2("eager", sliding_window=20)
     batch = make_grouped()
-    assert_same(run(model, batch, ForwardOptions(packed_row_tokens=1000)), run(model, batch), batch[3])
+    assert_same(run(model, batch, ForwardOptions(packed_row_tokens=1000)), reference(model, batch), batch[3])
     assert shared_layouts[0] is not None and shared_layouts[0].input_ids.shape[1] <= 20
 
 
@@ -178,7 +174,7 @@ def test_gradient_checkpointing_and_train_mode(shared_layouts, no_plain_fallback
     set_activation_checkpointing(model, True)
     model.train()
     batch = make_grouped()
-    assert_same(run(model, batch, ForwardOptions(lm_head_chunk_tokens=3)), run(model, batch), batch[3])
+    assert_same(run(model, batch, ForwardOptions(lm_head_chunk_tokens=3)), reference(model, batch), batch[3])
     assert shared_layouts[0] is not None
 
 
@@ -241,4 +237,4 @@ def test_sharing_is_used_only_where_it_is_cheaper(monkeypatch, shared_layouts, g
     layout = _layout_used(monkeypatch, model, batch)
     assert (layout.attention_mask is not None) == shared_wins  # the shared layout carries a 4-D mask
     assert (shared_layouts[-1] is not None) == shared_wins
-    assert_same(run(model, batch, ForwardOptions()), run(model, batch), batch[3])
+    assert_same(run(model, batch, ForwardOptions()), reference(model, batch), batch[3])

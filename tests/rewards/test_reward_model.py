@@ -1,7 +1,13 @@
-"""Reward models (spec §5.1/§5.2) on a tiny sequence classifier built in the test."""
+"""Reward models (spec §5.1/§5.2) on a tiny sequence classifier built in the test.
+
+Scores are compared with one unpadded float64 forward per text, to the float32 rounding of a
+forward through the classifier (``tests/numerics.py``, :func:`assert_scores`).
+"""
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +16,8 @@ import torch
 
 from grpo_lightning.rewards import RewardModel, RewardRunner, resolve_reward_funcs
 from grpo_lightning.utils.tiny_models import build_char_tokenizer
+from tests.module.test_forward_paths import reduction_size
+from tests.numerics import assert_close_f32
 
 PROMPTS = ["1+1=", "12+30=", "7*6=", "a long prompt: 99-1="]
 COMPLETIONS = ["2", "42 I think", "42", "98, obviously, since 99-1 is 98"]
@@ -29,13 +37,27 @@ def build_classifier(tokenizer, seed: int = 0, **config_overrides):
 
 
 def manual_scores(model, tokenizer, texts: list[str]) -> list[float]:
-    """One unpadded forward per text: the reference for the padded, batched path."""
+    """One unpadded forward per text of a float64 copy: the reference for the padded, batched path."""
+    model64 = copy.deepcopy(model).double()
     out = []
     with torch.no_grad():
         for text in texts:
             ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-            out.append(float(model(input_ids=ids).logits[0, 0]))
+            out.append(float(model64(input_ids=ids).logits[0, 0]))
     return out
+
+
+def assert_scores(got, model, tokenizer, texts: list[str], msg="") -> None:
+    """``got`` (float32 scores) equal :func:`manual_scores` to the float32 rounding of a forward
+    through ``model`` for the longest text, relative to the largest score the head can give:
+    ``‖w‖ · max|γ| · sqrt(hidden)`` (the final RMSNorm's output ``γ ⊙ n`` has ``‖n‖ = sqrt(hidden)``),
+    plus 1 for the normed hidden states."""
+    width = max(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
+    head = model.score.weight.detach()
+    gamma = float(model.model.norm.weight.detach().abs().max())
+    scale = float(head.norm(dim=1).max()) * gamma * math.sqrt(head.shape[1]) + 1.0
+    want = manual_scores(model, tokenizer, texts)
+    assert_close_f32(got, want, reduction_size=reduction_size(model, width), scale=scale, msg=str(msg))
 
 
 @pytest.fixture
@@ -46,12 +68,11 @@ def tok():
 def test_scores_equal_unpadded_forward_and_batching_invariance(tok) -> None:
     model = build_classifier(tok)
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
-    expected = manual_scores(model, tok, texts)
     assert len(set(len(t) for t in texts)) > 1  # right padding is exercised
     for batch_size in (None, 1, 3, 4, 16):
         rm = RewardModel(model, tok, batch_size=batch_size)
         got = rm(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 4, extra=[0] * 4)
-        assert got == pytest.approx(expected, abs=1e-5), batch_size
+        assert_scores(got, model, tok, texts, msg=batch_size)
     assert rm.texts(PROMPTS, COMPLETIONS) == texts
     assert rm(prompts=[], completions=[]) == []
     with pytest.raises(ValueError, match="batch_size"):
@@ -66,7 +87,7 @@ def test_conversational_prompts_use_the_chat_template(tok) -> None:
     texts = rm.texts(prompts, completions)
     assert texts == [tok.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
     assert texts[0] == "<|system|>be brief<|end|><|user|>1+1=<|end|><|assistant|>2<|end|></s>"
-    assert rm(prompts, completions) == pytest.approx(manual_scores(model, tok, texts), abs=1e-5)
+    assert_scores(rm(prompts, completions), model, tok, texts)
     # chat_template_kwargs reach the template: the runner fills them in for models without any.
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
     rm = RewardModel(model, tok)
@@ -89,7 +110,7 @@ def test_pad_token_defaults_to_eos_and_sets_model_config(tok) -> None:
     assert no_pad.pad_token == "</s>" and model.config.pad_token_id == no_pad.eos_token_id == 2
     # Padding with EOS: the texts themselves have no EOS, so the last real token is still pooled.
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
-    assert rm(PROMPTS, COMPLETIONS) == pytest.approx(manual_scores(model, no_pad, texts), abs=1e-5)
+    assert_scores(rm(PROMPTS, COMPLETIONS), model, no_pad, texts)
 
 
 def test_eval_mode_and_no_grad(tok) -> None:
@@ -113,11 +134,11 @@ def test_from_path_names_and_processing_classes(tok, tmp_path: Path) -> None:
     tok.save_pretrained(folder)
     tok_folder = tmp_path / "tok"
     tok.save_pretrained(tok_folder)
-    expected = RewardModel(model, tok)(PROMPTS, COMPLETIONS)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
 
     (rf,) = resolve_reward_funcs([str(folder)])
     assert rf.name == "tiny-rm" and isinstance(rf.func, RewardModel) and not rf.is_async
-    assert rf.func(PROMPTS, COMPLETIONS) == pytest.approx(expected, abs=1e-5)
+    assert_scores(rf.func(PROMPTS, COMPLETIONS), model, tok, texts)
     assert rf.func.model.config.num_labels == 1 and not rf.func.model.training
     assert resolve_reward_funcs([str(folder) + "/"])[0].name == "tiny-rm"
     # A model object: name from config._name_or_path when it has one, else the class name.
@@ -159,7 +180,7 @@ def test_mixed_list_through_the_runner(tok) -> None:
     )  # fmt: skip
     texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
     assert out.rewards[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
-    assert out.rewards[:, 1].tolist() == pytest.approx(manual_scores(model, tok, texts), abs=1e-5)
+    assert_scores(out.rewards[:, 1], model, tok, texts)
     assert out.rewards[:, 2].tolist() == [float(len(c)) for c in COMPLETIONS]
 
 
