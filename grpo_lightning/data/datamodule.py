@@ -12,6 +12,7 @@ import torch
 from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader
 
+from grpo_lightning.algo.importance import ImportanceSamplingCorrection
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
 from grpo_lightning.data.micro_steps import MicroStepRef, MicroStepSchedule, MicroStepStream
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
@@ -83,6 +84,9 @@ class RolloutDataModule(pl.LightningDataModule):
             ``generation_kwargs``).
         sampler: Generation back-end: a short name (``hf_generate``) or a ``class_path`` with its
             knobs (default: ``HFGenerateSampler``); a saved config lists them all.
+        importance_sampling: Correction for the gap between the sampler's and the trainer's
+            log-probs (``enabled``, ``mode``, ``clip_min``, ``clip_max``; TRL's
+            ``vllm_importance_sampling_*``), applied when the sampler returns log-probs.
         chat_template_kwargs: Extra arguments for ``apply_chat_template`` (e.g.
             ``enable_thinking: false``).
         prompt_as_chat: Wrap plain-text prompts as a user message, so an instruct model's chat
@@ -126,6 +130,7 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: int | None = None,
         generation: GenerationParams = GenerationParams(),
         sampler: str | Sampler = lazy_instance(HFGenerateSampler),
+        importance_sampling: ImportanceSamplingCorrection = ImportanceSamplingCorrection(),
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_as_chat: bool = False,
         system_prompt: str | None = None,
@@ -171,6 +176,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.shuffle_dataset = shuffle_dataset
         self.seed = seed
         self.generation = generation
+        self.importance_sampling = importance_sampling
         self.chat_template_kwargs = chat_template_kwargs
         self.prompt_as_chat = prompt_as_chat
         self.system_prompt = system_prompt
@@ -268,6 +274,7 @@ class RolloutDataModule(pl.LightningDataModule):
             chat_template_kwargs=self.chat_template_kwargs, scale_rewards=self.scale_rewards,
             multi_objective_aggregation=self.multi_objective_aggregation,
             mask_truncated_completions=self.mask_truncated_completions,
+            importance_sampling=self.importance_sampling, sampler_logprobs=self.sampler.provides_logprobs,
         )
 
     @property

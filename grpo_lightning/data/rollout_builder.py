@@ -14,6 +14,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from grpo_lightning.algo.advantages import AdvantageResult, compute_advantages_with_stats, reward_metrics
+from grpo_lightning.algo.importance import (
+    ImportanceSamplingCorrection, importance_sampling_weights, sampling_metrics, sampling_stats,
+)
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
@@ -64,12 +67,26 @@ class RolloutSettings:
     scale_rewards: str | bool = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
     mask_truncated_completions: bool = False
+    importance_sampling: ImportanceSamplingCorrection = ImportanceSamplingCorrection()
+    # Whether the sampler returns per-token log-probs (``Sampler.provides_logprobs``).
+    sampler_logprobs: bool = False
 
     @property
     def needs_old_logprobs(self) -> bool:
         """Old log-probs differ from the live ones only if an optimizer step can fall between
         generating a batch and training on it (TRL: ``GA % (S * num_iterations) != 0``)."""
         return self.gradient_accumulation_steps % (self.plan.steps_per_generation * self.num_iterations) != 0
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """The importance-sampling correction applies: it is on and the sampler reports log-probs."""
+        return self.importance_sampling.enabled and self.sampler_logprobs
+
+    @property
+    def computes_old_logprobs(self) -> bool:
+        """The trainer's log-probs are computed at generation time: needed by the loss, or as the
+        target of the importance-sampling correction."""
+        return self.needs_old_logprobs or self.corrects_sampling
 
 
 @dataclass
@@ -146,18 +163,33 @@ class RolloutBuilder:
         tokens = self.collective.gather_rows(loss_mask.sum().reshape(1).float()).sum()
         batch.num_items_in_batch = tokens * s.gradient_accumulation_steps / s.plan.steps_per_generation
         chunk = s.plan.local_rows // s.plan.steps_per_generation  # per_device_train_batch_size
-        if s.needs_old_logprobs:
+        correcting = s.corrects_sampling and batch.sampling_logps is not None
+        if s.needs_old_logprobs or correcting:
             batch.old_logps = self.handle.rollout_logprobs(batch, reference=False, chunk_size=chunk)
         if self.handle.needs_reference_logprobs:
             batch.ref_logps = self.handle.rollout_logprobs(batch, reference=True, chunk_size=chunk)
 
         metrics, num_tokens = self._metrics(rollouts, batch, global_rewards, scores, stats, counted)
+        if correcting:
+            rows = None if counted is None else counted[local]
+            metrics.update(self._correct_sampling(batch, rows))
         micro_batches = shuffle_and_split(batch, s.plan.steps_per_generation, generator)
         micro_batches[0] = replace(
             micro_batches[0], generation_metrics=metrics, prepare_seconds=time.perf_counter() - started
         )
         table = self._table(rollouts, scores, advantages[local]) if self.collect_table else None
         return GenerationBatch(micro_batches, num_tokens, table)
+
+    def _correct_sampling(self, batch: RolloutBatch, rows: torch.Tensor | None) -> dict[str, float]:
+        """Set ``batch.sampling_is_weights`` (spec §3.8) and return the ``sampling/*`` metrics of
+        all ranks. ``rows``: ``(B,)`` bool, the local rows that count (``None``: all)."""
+        assert batch.old_logps is not None and batch.sampling_logps is not None
+        mask = batch.loss_mask
+        weights = importance_sampling_weights(batch.old_logps, batch.sampling_logps, mask, self.settings.importance_sampling)
+        batch.sampling_is_weights = weights  # (B, T) or (B, 1)
+        local = sampling_stats(batch.old_logps, batch.sampling_logps, mask, weights, rows)
+        per_rank = self.collective.gather_rows(local.as_tensor().to(batch.advantages.device).unsqueeze(0))  # (P, 7)
+        return sampling_metrics(per_rank.cpu())
 
     def _advantages(
         self, global_rewards: torch.Tensor, counted: torch.Tensor | None

@@ -32,10 +32,22 @@ def run_summary(settings: RolloutSettings, schedule: MicroStepSchedule, trainer:
         f"{settings.num_iterations} time(s)",
         f"  optimizer step: {per_step} completions; {schedule.steps_per_epoch // accumulate} steps per epoch; "
         f"planned optimizer steps: {planned}",
-        f"  forward passes per micro-batch: policy (with grad)"
-        f"{'; old log-probs (no grad)' if settings.needs_old_logprobs else ''}"
-        f"{'; reference log-probs (no grad)' if reference else ''}",
+        "  forward passes per micro-batch: " + "; ".join(_forward_passes(settings, reference)),
     ])
+
+
+def _forward_passes(settings: RolloutSettings, reference: bool) -> list[str]:
+    passes = ["policy (with grad)"]
+    if settings.needs_old_logprobs:
+        passes.append("old log-probs (no grad)")
+    elif settings.corrects_sampling:
+        passes.append("log-probs at generation for the importance-sampling correction (no grad)")
+    if settings.corrects_sampling:
+        correction = settings.importance_sampling
+        passes.append(f"sampler IS correction {correction.mode} [{correction.clip_min}, {correction.clip_max}]")
+    if reference:
+        passes.append("reference log-probs (no grad)")
+    return passes
 
 
 def check_training_length(max_steps: int | None, max_epochs: int | None) -> None:
