@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.utils.checkpointing import is_activation_checkpointing, set_activation_checkpointing
+from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 
-
-@contextmanager
-def generation_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Turn gradient checkpointing off and the KV cache on for the duration of generation
-    (with checkpointing on, HF ``generate`` silently disables the cache and becomes quadratic)."""
-    checkpointing = is_activation_checkpointing(model)
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
-    if checkpointing:
-        set_activation_checkpointing(model, False)
-    if config is not None:
-        config.use_cache = True
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if config is not None:
-            config.use_cache = use_cache
-        if checkpointing:
-            set_activation_checkpointing(model, True)
+__all__ = ["HFGenerateSampler", "generation_mode"]
 
 
 class HFGenerateSampler(Sampler):
@@ -59,25 +39,7 @@ class HFGenerateSampler(Sampler):
         self.max_batch_rows = max_batch_rows
 
     def generation_config(self, params: GenerationParams) -> Any:
-        from transformers import GenerationConfig
-
-        tokenizer = self.handle.tokenizer
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=params.max_completion_length,
-            do_sample=True,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=list(self.handle.eos_token_ids),
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            cache_implementation=self.cache_implementation,
-            disable_compile=True,
-        )
-        kwargs.update(params.generation_kwargs or {})
-        return GenerationConfig(**kwargs)
+        return build_generation_config(self.handle, params, cache_implementation=self.cache_implementation)
 
     def generate(
         self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams
@@ -109,11 +71,4 @@ class HFGenerateSampler(Sampler):
             )
         completions = sequences[:, width:].tolist()  # (R, <=max_new_tokens)
         stop = set(handle.eos_token_ids)
-        version = handle.policy_version
-        rollouts = []
-        for prompt, ids in zip(rows, completions):
-            end = next((i for i, token in enumerate(ids) if token in stop), None)
-            if end is not None:
-                ids = ids[: end + 1]
-            rollouts.append(Rollout(prompt, ids, ended_on_eos=end is not None, policy_version=version))
-        return rollouts
+        return [completion_rollout(prompt, ids, stop, handle.policy_version) for prompt, ids in zip(rows, completions)]
