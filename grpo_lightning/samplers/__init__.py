@@ -15,6 +15,7 @@ from grpo_lightning.samplers.hf_generate import HFGenerateSampler
 SAMPLERS: dict[str, str] = {
     HFGenerateSampler.name: "grpo_lightning.samplers.hf_generate.HFGenerateSampler",
     "continuous_batching": "grpo_lightning.samplers.continuous_batching.ContinuousBatchingSampler",
+    "vllm_colocate": "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler",
 }
 
 
