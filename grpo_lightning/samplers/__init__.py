@@ -16,6 +16,7 @@ SAMPLERS: dict[str, str] = {
     HFGenerateSampler.name: "grpo_lightning.samplers.hf_generate.HFGenerateSampler",
     "continuous_batching": "grpo_lightning.samplers.continuous_batching.ContinuousBatchingSampler",
     "vllm_colocate": "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler",
+    "vllm_server": "grpo_lightning.samplers.vllm_server.VLLMServerSampler",
 }
 
 

@@ -134,14 +134,29 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
-def _named_weights(model: torch.nn.Module, rename: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_weights(model: torch.nn.Module, rename: Any, materialize: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
     for key, value in model.state_dict(keep_vars=False).items():
         name = rename(key)
         if name is None or name in seen:
             continue
         seen.add(name)
-        yield name, _full(value).detach()
+        yield name, (_full(value) if materialize else value).detach()
+
+
+def _renamer(model: torch.nn.Module) -> Any:
+    if _is_peft(model):
+        prefix = getattr(getattr(model, "base_model", None), "prefix", "lora_")
+        return lambda key: peft_checkpoint_name(key, prefix)
+    return checkpoint_name
+
+
+def policy_weight_shapes(handle: PolicyHandle) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(checkpoint name, dtype, whole shape)`` of every tensor :func:`policy_weights` yields, in
+    the same order, without gathering anything (a sharded tensor reports its global shape): what a
+    weight transfer announces before it sends."""
+    model = handle.policy
+    return [(name, t.dtype, tuple(t.shape)) for name, t in _named_weights(model, _renamer(model), materialize=False)]
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -164,11 +179,10 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
     """
     model = handle.policy
     if _is_peft(model):
-        prefix = getattr(getattr(model, "base_model", None), "prefix", "lora_")
         with torch.no_grad():
             model.merge_adapter()
         try:
-            yield _named_weights(model, lambda key: peft_checkpoint_name(key, prefix))
+            yield _named_weights(model, _renamer(model))
         finally:
             with torch.no_grad():
                 model.unmerge_adapter()
@@ -176,4 +190,6 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
         yield _named_weights(model, checkpoint_name)
 
 
-__all__ = ["checkpoint_name", "import_vllm", "peft_checkpoint_name", "policy_weights", "sampling_params"]
+__all__ = [
+    "checkpoint_name", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes", "policy_weights", "sampling_params",
+]

@@ -4,8 +4,8 @@ Skipped where vLLM is not installed (the main venv). One engine serves the whole
 one costs seconds): the sampler's ``close`` is held back until the module ends, and every test
 begins with a full push, so no test depends on the weights another left in the engine.
 
-The model is a tiny Qwen2 with head_dim 32 (vLLM's CPU attention does not support 16), saved to a
-temporary folder, run in float32 so the weight probe's tolerance is the tight float32 one.
+The model (``model_dir``, tests/vllm/conftest.py) runs in float32 so the weight probe's tolerance
+is the tight float32 one.
 """
 
 from __future__ import annotations
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gib=0.25, max_model_length=128, gpu_memory_utilization=0.3,
               sync_timeout_s=60.0, engine_kwargs={"enforce_eager": True})
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
-    from tests.helpers import ALPHABET
-
-    path = tmp_path_factory.mktemp("qwen2_hd32")
-    tokenizer = build_char_tokenizer(ALPHABET)
-    model = build_tiny_causal_lm(len(tokenizer), architecture="qwen2", hidden_size=64, num_heads=2, num_kv_heads=1)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
