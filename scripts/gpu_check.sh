@@ -10,13 +10,17 @@
 #   paths  forward paths (plain / chunked / packed / shared, token budgets, LM-head chunk sizes)
 #          on the Qwen2.5-0.5B shape: answers the open GPU questions of docs/benchmarks.md
 #   bench  ours vs TRL GRPOTrainer end to end (Qwen2.5-0.5B architecture, bf16, 256 tokens)
+#   vllm   both vLLM modes on the GPU (scripts/vllm_modes.py): colocated engine and a `vllm serve`
+#          subprocess with the NCCL weight transfer, real verified pushes, completion tokens/s per
+#          mode; needs vLLM on the machine (the H200 image has none and a CUDA vLLM wheel with its
+#          torch is far over a device call's 64 MiB carry, so it prints why it skipped there)
 # Results go to $BENCH_OUT_DIR (default benchmarks/results; on the device machine use $OUT).
 # The machine has no package index: wheels it lacks are carried in .gpu_wheels/ (made by
 # `scripts/gpu_wheels.sh`, git-ignored) and installed without dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-smoke,paths,bench}
+SECTIONS=${SECTIONS:-smoke,paths,bench,vllm}
 OUT_DIR=${BENCH_OUT_DIR:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
@@ -54,4 +58,9 @@ if [[ ,$SECTIONS, == *,bench,* ]]; then
     export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets  # the Qwen2.5 tokenizer copied by gpu_wheels.sh
   fi
   PYTHONUNBUFFERED=1 $PY benchmarks/compare_trl.py --device cuda --sizes qwen0.5b --out-dir "$OUT_DIR" ${BENCH_ARGS:-}
+fi
+
+if [[ ,$SECTIONS, == *,vllm,* ]]; then
+  echo "== vLLM colocate and server modes on CUDA (random Qwen2 hidden 512 x 8 layers, 16 prompts x 8, 128 tokens)"
+  PYTHONUNBUFFERED=1 $PY scripts/vllm_modes.py --device cuda --json "$OUT_DIR/vllm_modes_cuda.json"
 fi
