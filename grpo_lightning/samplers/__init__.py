@@ -15,6 +15,7 @@ from grpo_lightning.samplers.hf_generate import HFGenerateSampler
 SAMPLERS: dict[str, str] = {
     HFGenerateSampler.name: "grpo_lightning.samplers.hf_generate.HFGenerateSampler",
     "continuous_batching": "grpo_lightning.samplers.continuous_batching.ContinuousBatchingSampler",
+    "fast_generate": "grpo_lightning.samplers.fast_generate.FastGenerateSampler",
     "vllm_colocate": "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler",
     "vllm_server": "grpo_lightning.samplers.vllm_server.VLLMServerSampler",
 }
