@@ -129,3 +129,28 @@ def test_samplers_by_name_dotted_path_or_instance():
         get_sampler("no_such_sampler")
     with pytest.raises(ValueError, match="data.sampler"):
         get_sampler("tests.samplers.test_sampler_contract.scripted_reward")  # not a Sampler
+
+
+def test_a_resumed_run_pushes_the_restored_weights_before_it_generates(tmp_path):
+    """After ``--ckpt_path`` the first push carries the restored step and the restored weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, ckpt_path=None):
+        sampler = ScriptedSampler()
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+        trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[checkpoint], default_root_dir=str(tmp_path))
+        module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, save_final_model=False)
+        data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[scripted_reward],
+                                 num_generations=4, per_device_train_batch_size=8, sampler=sampler,
+                                 generation=GenerationParams(max_completion_length=8))
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        return sampler, module
+
+    first, trained = run(2)
+    last_push = [c for c in first.calls if c[0] == "push"][-1]
+    resumed, _ = run(4, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    pushes = [c for c in resumed.calls if c[0] == "push"]
+    assert pushes[0][1] == 2 and pushes[0][2] == pytest.approx(last_push[2], rel=1e-6)  # restored step and weights
+    generations = [c for c in resumed.calls if c[0] == "generate"]
+    assert [c[1] for c in generations] == [c[2] for c in generations] == [2, 3]
