@@ -20,6 +20,10 @@ Three interchangeable paths give the same log-probs and gradients on every real 
 The optimized paths need a model whose logits are ``head(base(...).last_hidden_state)`` (up to a
 constant scale and Gemma's final soft-capping): the architectures in :data:`HEAD_MODEL_TYPES`.
 Anything else, or a layout they cannot reproduce, falls back to the plain path with a log line.
+A PEFT model (LoRA, DoRA: adapters injected into the layers of the wrapped transformers model)
+takes the optimized paths through that model's decoder and LM head, which carry the adapters (and
+an adapted or ``modules_to_save`` head) and honour ``disable_adapter()``; prompt-learning PEFT
+(prefix/prompt tuning, which changes the inputs) takes the plain path.
 Positions outside ``completion_mask`` hold 0 in the optimized paths (values every consumer masks).
 
 ``logprob_token_budget`` splits the no-grad passes (old/reference log-probs) into groups sized by
@@ -76,6 +80,18 @@ def _accepts_logits_to_keep(forward_cls: type) -> bool:
 _logged: set[str] = set()
 
 
+def _is_peft(model: torch.nn.Module) -> bool:
+    return type(model).__module__.split(".")[0] == "peft"
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP's ``.module`` and a PEFT wrapper (adapters in its layers)."""
+    core = getattr(model, "module", model)
+    if _is_peft(core) and callable(getattr(core, "get_base_model", None)):
+        return core.get_base_model()
+    return core
+
+
 def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
@@ -102,9 +118,12 @@ def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
     """The decoder and head of ``model``, or why the optimized paths cannot use it."""
     core = getattr(model, "module", model)  # DDP-wrapped models expose the real class as .module
     wrapped = core is not model
+    if _is_peft(core):
+        peft_config = getattr(core, "active_peft_config", None)
+        if peft_config is None or getattr(peft_config, "is_prompt_learning", True):
+            return f"{type(core).__name__} is a prompt-learning PEFT model (it changes the inputs)"
+        core = _transformers_model(core)  # its layers and head carry the adapters
     name = type(core).__name__
-    if type(core).__module__.split(".")[0] == "peft":
-        return f"{name} is a PEFT model (not verified with the chunked head / padding-free paths)"
     config = getattr(core, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in HEAD_MODEL_TYPES:
@@ -188,8 +207,7 @@ def _plain_logprobs(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     width = completion_ids.shape[1]
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    core = getattr(model, "module", model)  # DDP-wrapped models expose the real class as .module
-    if _accepts_logits_to_keep(type(core)):
+    if _accepts_logits_to_keep(type(_transformers_model(model))):  # a PEFT wrapper passes it on
         kwargs["logits_to_keep"] = width + 1  # run the LM head on completion positions only
     logits = model(**kwargs).logits
     logits = logits[:, -(width + 1) : -1, :]  # (B, T, V): position t predicts completion token t

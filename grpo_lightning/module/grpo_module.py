@@ -24,6 +24,8 @@ from grpo_lightning.module.model_building import ModelSettings, build_models, da
 from grpo_lightning.module.model_info import read_model_info
 from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
 from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
+from grpo_lightning.module.peft_models import export_peft_policy, reference_scope
+from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, gathered_weights
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
@@ -35,7 +37,8 @@ log = logging.getLogger(__name__)
 class GRPOModule(pl.LightningModule):
     """Trains a causal LM with Group Relative Policy Optimization.
 
-    The module owns the policy (and, when the loss has a KL term, a frozen reference copy), turns
+    The module owns the policy (and, when the loss has a KL term, a frozen reference: a copy, or
+    with ``peft_config`` the policy with its adapters disabled), turns
     each :class:`~grpo_lightning.types.RolloutBatch` into per-token log-probs of the completion
     tokens and hands them to the loss. Generation, rewards and advantages live on the data side.
 
@@ -65,7 +68,8 @@ class GRPOModule(pl.LightningModule):
             a public attribute that callbacks may adapt during training.
         output_dir: Where the final policy is exported; defaults to ``trainer.default_root_dir``.
         save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
-            ``<output_dir>/final_model`` when training ends.
+            ``<output_dir>/final_model`` when training ends (with ``peft_config``: the merged
+            model there and the adapter alone in ``final_model/adapter``).
         forward: How completion log-probs are computed (training, old and reference passes):
             ``chunked_lm_head`` (LM head on real completion tokens in chunks, no full-vocabulary
             fp32 logits), ``padding_free`` (packed sequences, no compute on padding),
@@ -73,6 +77,11 @@ class GRPOModule(pl.LightningModule):
             passes in token-sized groups), ``train_token_budget`` (each training micro-batch in
             token-sized parts, one forward+backward each). Same values and gradients as the plain
             path, ``ForwardOptions.plain()``; see :class:`~grpo_lightning.module.forward.ForwardOptions`.
+        peft_config: Train a LoRA adapter instead of the whole policy (``[peft]`` extra), e.g.
+            ``{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}``; the reference is then the
+            policy with its adapters disabled (no second copy). See ``docs/peft.md``.
+        quantization_config: Load the base weights in 4-bit or 8-bit with bitsandbytes (QLoRA,
+            ``[quantization]`` extra), e.g. ``{load_in_4bit: true}``; needs ``peft_config``.
     """
 
     def __init__(
@@ -95,6 +104,8 @@ class GRPOModule(pl.LightningModule):
         output_dir: str | None = None,
         save_final_model: bool = True,
         forward: ForwardOptions = ForwardOptions(),
+        peft_config: LoRASettings | None = None,
+        quantization_config: QuantizationSettings | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
@@ -104,6 +115,9 @@ class GRPOModule(pl.LightningModule):
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
         check_model_sources(model, tokenizer)  # before any weights or tokenizer load
+        peft_config, quantization_config = check_adapter_settings(
+            model, peft_config, quantization_config, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code
+        )
         self.loss: PolicyLoss = get_loss(fresh_instance(loss))
         tokenizer_source = tokenizer or (model if isinstance(model, str) else getattr(model, "name_or_path", None))
         if not tokenizer_source:
@@ -116,9 +130,12 @@ class GRPOModule(pl.LightningModule):
         # The weights are built in configure_model (where a strategy can shard them). A model
         # object is held in a tuple until then, so it is not registered as a submodule twice.
         self._model_source: tuple[Any] = (model,)
-        self.model_settings = ModelSettings(model_init_kwargs, trust_remote_code, dtype, gradient_checkpointing, disable_dropout)
-        #: The frozen reference model (a submodule once built; ``None`` when ``beta == 0``).
+        self.model_settings = ModelSettings(model_init_kwargs, trust_remote_code, dtype, gradient_checkpointing,
+                                            disable_dropout, peft_config, quantization_config)
+        #: The frozen reference model (a submodule once built); ``None`` when ``beta == 0`` and with
+        #: ``peft_config`` (the policy with adapters disabled): :meth:`reference_context` yields either.
         self.ref_policy: torch.nn.Module | None = None
+        self._load_base: Any = None  # PEFT: a fresh base model for the merged export
 
         self.learning_rate = learning_rate
         self.optimizer_factory = optimizer
@@ -160,7 +177,7 @@ class GRPOModule(pl.LightningModule):
                 self.forward_options, chunked_lm_head=False, padding_free=False, share_prompt_prefix=False
             )
         self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
-        self.ref_policy = built.reference
+        self.ref_policy, self._load_base = built.reference, built.load_base
         self._model_source = (None,)  # the policy now holds it
 
     @property
@@ -214,24 +231,27 @@ class GRPOModule(pl.LightningModule):
         """Whole policy weights inside the block (FSDP2 unshard, ZeRO-3 gather); else a no-op."""
         return gathered_weights(self.policy)
 
+    def reference_context(self) -> ContextManager[torch.nn.Module]:
+        """Yields the reference model for the block: ``ref_policy``, or under ``peft_config`` the
+        policy with its adapters disabled (the base weights); raises when ``beta == 0``."""
+        return reference_scope(self.policy, self.ref_policy, adapters_disabled=self.needs_reference_logprobs)
+
     @torch.no_grad()
     def rollout_logprobs(self, batch: RolloutBatch, *, reference: bool, chunk_size: int) -> torch.Tensor:
         """No-grad completion log-probs under the current policy or the reference, ``(B, T)``."""
-        model = self.ref_policy if reference else self.policy
-        if model is None:
-            raise RuntimeError("Reference log-probs were requested but the loss has beta == 0.")
-        if self.forward_options.logprob_token_budget is not None:
-            chunk_size = len(batch)  # the forward groups rows by tokens itself
-        chunks = []
-        for start in range(0, len(batch), chunk_size):
-            rows = slice(start, start + chunk_size)
-            with self.precision_context():  # the numerics of the training forward
-                logps, _ = completion_logprobs(
-                    model, batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
-                    batch.completion_mask[rows], batch.temperature, with_entropy=False, options=self.forward_options,
-                )
-            chunks.append(logps)
-        return torch.cat(chunks)
+        with self.reference_context() if reference else nullcontext(self.policy) as model:
+            if self.forward_options.logprob_token_budget is not None:
+                chunk_size = len(batch)  # the forward groups rows by tokens itself
+            chunks = []
+            for start in range(0, len(batch), chunk_size):
+                rows = slice(start, start + chunk_size)
+                with self.precision_context():  # the numerics of the training forward
+                    logps, _ = completion_logprobs(
+                        model, batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
+                        batch.completion_mask[rows], batch.temperature, with_entropy=False, options=self.forward_options,
+                    )
+                chunks.append(logps)
+            return torch.cat(chunks)
 
     # ----------------------------------------------------------------------- training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -385,10 +405,13 @@ class GRPOModule(pl.LightningModule):
     def export(self, directory: str) -> None:
         """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers).
 
-        Collective under sharding: every rank gathers its shards, global rank 0 writes."""
+        Collective under sharding: every rank gathers its shards, global rank 0 writes. A PEFT
+        policy: the merged model in ``directory``, the adapter in ``directory/adapter``."""
         state = full_state_dict(self.policy)
         if self._trainer is not None and not self.trainer.is_global_zero:
             return
+        if self.model_settings.peft_config is not None:
+            return export_peft_policy(self.policy, state, directory, self.tokenizer, self._load_base)
         self.policy.save_pretrained(directory, state_dict=state)
         self.tokenizer.save_pretrained(directory)
         log.info("Final policy saved to %s", directory)

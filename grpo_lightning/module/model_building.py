@@ -2,18 +2,22 @@
 
 Lightning calls ``configure_model`` inside the strategy's device, sharding and precision contexts;
 everything here runs there, so what it builds can be sharded (FSDP2 on a device mesh, ZeRO-3 at
-init) instead of being materialised whole on every rank first.
+init) instead of being materialised whole on every rank first. With ``peft_config`` the policy is
+wrapped with LoRA adapters and no reference copy is built: the reference is the policy with its
+adapters disabled (:func:`~grpo_lightning.module.peft_models.reference_scope`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from grpo_lightning.module.model_loading import frozen, load_policy, zero_dropout
+from grpo_lightning.module.peft_models import prepare_quantized, with_adapters
+from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings
 from grpo_lightning.module.sharding import shard_fsdp2
 from grpo_lightning.utils.checkpointing import set_activation_checkpointing
 
@@ -27,17 +31,22 @@ class ModelSettings:
     dtype: str = "float32"
     gradient_checkpointing: bool = True
     disable_dropout: bool = False
+    peft_config: LoRASettings | None = None
+    quantization_config: QuantizationSettings | None = None
 
-    def load(self, source: str | torch.nn.Module) -> torch.nn.Module:
-        return load_policy(
-            source, model_init_kwargs=self.model_init_kwargs, trust_remote_code=self.trust_remote_code, dtype=self.dtype
-        )
+    def load(self, source: str | torch.nn.Module, *, quantized: bool = True) -> torch.nn.Module:
+        kwargs = dict(self.model_init_kwargs or {})
+        if quantized and self.quantization_config is not None:
+            kwargs["quantization_config"] = self.quantization_config.to_transformers()
+        return load_policy(source, model_init_kwargs=kwargs, trust_remote_code=self.trust_remote_code, dtype=self.dtype)
 
 
 @dataclass
 class BuiltModels:
     policy: torch.nn.Module
     reference: torch.nn.Module | None
+    #: A fresh, unquantized base model on CPU for the merged export of a PEFT policy loaded from a path.
+    load_base: Callable[[], torch.nn.Module] | None = None
 
 
 def build_models(
@@ -47,16 +56,25 @@ def build_models(
 
     The reference is a fresh load of a path (as TRL) or a deep copy of a model object (an object
     modified in memory is not what its path holds, spec §14.12). With an FSDP2 ``mesh`` both are
-    sharded block by block.
+    sharded block by block. With ``settings.peft_config`` the policy gets LoRA adapters (after a
+    quantized load, peft's k-bit preparation) and ``with_reference`` builds nothing.
     """
     policy = settings.load(source)
-    if settings.disable_dropout:
-        zero_dropout(policy)
+    if settings.quantization_config is not None:
+        policy = prepare_quantized(policy)
     policy.train()  # from_pretrained returns eval mode; Lightning keeps submodule modes
     if settings.gradient_checkpointing:
         set_activation_checkpointing(policy, True)
     if getattr(policy, "config", None) is not None:
         policy.config.use_cache = False  # training forwards never reuse a KV cache
+    load_base = None
+    if settings.peft_config is not None:
+        policy = with_adapters(policy, settings.peft_config, gradient_checkpointing=settings.gradient_checkpointing)
+        with_reference = False  # the reference is the policy with its adapters disabled
+        if isinstance(source, str):
+            load_base = lambda: settings.load(source, quantized=False)  # noqa: E731
+    if settings.disable_dropout:
+        zero_dropout(policy)  # after wrapping: the adapters' dropout too
     reference = None
     if with_reference:
         reference = frozen(settings.load(source) if isinstance(source, str) else copy.deepcopy(policy))
@@ -64,7 +82,7 @@ def build_models(
         for model in (policy, reference):
             if model is not None:
                 shard_fsdp2(model, mesh)
-    return BuiltModels(policy, reference)
+    return BuiltModels(policy, reference, load_base)
 
 
 def data_parallel_mesh(device_mesh: Any) -> Any:

@@ -1,0 +1,96 @@
+"""A LoRA/QLoRA policy: wrapping it with adapters, its reference (the same model with the adapters
+disabled: no second copy), and its export (the adapter and a merged model).
+
+Export layout (``docs/peft.md``)::
+
+    <directory>/                  the merged model: base weights + adapter update, and the tokenizer
+                                  (AutoModelForCausalLM.from_pretrained loads it; no peft needed)
+    <directory>/adapter/          adapter_config.json + adapter_model.safetensors (+ tokenizer):
+                                  PeftModel.from_pretrained(base, "<directory>/adapter")
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from grpo_lightning.module.peft_settings import LoRASettings, import_peft, is_peft_model
+
+log = logging.getLogger(__name__)
+
+#: Sub-folder of an export that holds the adapter alone.
+ADAPTER_SUBDIR = "adapter"
+
+
+def prepare_quantized(model: torch.nn.Module) -> torch.nn.Module:
+    """peft's preparation of a bitsandbytes-loaded model for adapter training (frozen base,
+    float32 norms and head, input gradients); activation checkpointing stays ours (non-reentrant)."""
+    return import_peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def with_adapters(model: torch.nn.Module, settings: LoRASettings, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    """``model`` wrapped by ``peft.get_peft_model``: base weights frozen, the adapters trainable.
+
+    With activation checkpointing the embedding output is made to require grad
+    (``enable_input_require_grads``), which a reentrant checkpoint needs to reach the adapters.
+    """
+    if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    policy = import_peft().get_peft_model(model, settings.to_peft())
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in policy.parameters())
+    log.info("LoRA: %d trainable parameters of %d (%.3f%%).", trainable, total, 100.0 * trainable / max(total, 1))
+    return policy
+
+
+@contextmanager
+def reference_scope(
+    policy: torch.nn.Module, ref_policy: torch.nn.Module | None, *, adapters_disabled: bool
+) -> Iterator[torch.nn.Module]:
+    """The reference model for the duration of the block: ``ref_policy`` when there is a separate
+    copy; else, for a PEFT policy and ``adapters_disabled``, the policy itself with its adapters
+    disabled (the base weights)."""
+    if ref_policy is not None:
+        yield ref_policy
+    elif adapters_disabled and is_peft_model(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise RuntimeError("Reference log-probs were requested but the loss has beta == 0 (no reference model).")
+
+
+def export_peft_policy(
+    policy: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    directory: str,
+    tokenizer: Any,
+    load_base: Callable[[], torch.nn.Module] | None,
+) -> None:
+    """Save the adapter to ``<directory>/adapter`` and the merged model to ``<directory>``.
+
+    ``state`` is the policy's whole state dict (gathered under sharding). The merge never touches
+    the live policy: ``load_base`` gives a fresh, unquantized copy of the base model (on CPU) that
+    the saved adapter is loaded into and merged with; without it (a model object was given) a
+    deep copy of the policy is merged. A QLoRA adapter is merged into the unquantized base weights.
+    """
+    peft = import_peft()
+    adapter_dir = os.path.join(directory, ADAPTER_SUBDIR)
+    policy.save_pretrained(adapter_dir, state_dict=state)
+    tokenizer.save_pretrained(adapter_dir)
+    if load_base is not None:
+        base = load_base()
+        merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    else:
+        if getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False):
+            log.warning("Merging the adapter into quantized weights given as a model object: the merge is lossy.")
+        merged = copy.deepcopy(policy).merge_and_unload()
+    if getattr(merged.config, "use_cache", None) is False:
+        merged.config.use_cache = True  # an inference model; training had turned the cache off
+    merged.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    log.info("Final policy saved to %s (merged) and its adapter to %s", directory, adapter_dir)
