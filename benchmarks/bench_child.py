@@ -190,10 +190,16 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
         lr_scheduler_type="linear", gradient_checkpointing=spec["gradient_checkpointing"], save_final_model=False,
         **extra,
     )
+    importance = {}
+    if spec.get("importance_sampling", "default") == "off":
+        from grpo_lightning.algo.importance import ImportanceSamplingCorrection
+
+        importance["importance_sampling"] = ImportanceSamplingCorrection(enabled=False)
     datamodule = RolloutDataModule(
         spec["prompts_file"], reward_funcs=[bench_assets.first_token_parity_reward],
         num_generations=spec["num_generations"], per_device_train_batch_size=spec["per_device_train_batch_size"],
         seed=spec["seed"], generation=GenerationParams(max_completion_length=spec["max_completion_length"], temperature=1.0),
+        sampler=spec.get("sampler", "hf_generate"), **importance,
     )
     sampler_generate = datamodule.sampler.generate
     eos = module.tokenizer.eos_token_id
@@ -224,6 +230,7 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
     optimizer = trainer.optimizers[0]
     return {
         "forward_options": repr(getattr(module, "forward_options", None)),
+        "sampler": type(datamodule.sampler).__name__,
         "param_dtype": str(next(module.policy.parameters()).dtype),
         "optimizer": f"{type(optimizer).__name__}({', '.join(f'{k}={optimizer.defaults.get(k)}' for k in ('foreach', 'fused'))})",
         "gradient_checkpointing": bool(getattr(module.policy, "is_gradient_checkpointing", None)),

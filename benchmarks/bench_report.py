@@ -164,7 +164,9 @@ def markdown(report: dict) -> str:
         "Train MFU = FLOPs needed / (forward+backward time × the matmul peak above), FLOPs needed = "
         "6 × (decoder parameters × all tokens + LM-head parameters × completion tokens) (the plain 6·N·T "
         "is in the JSON). gen tok/s = completion tokens / generation time. ours/TRL tokens/s is paired by "
-        "step: both trainers see the same prompts and the same sampled completions at each step.",
+        "step: both trainers see the same prompts at each step, and, when our sampler is hf_generate, the same "
+        "sampled completions; another sampler draws other completions of the same distribution (compare the "
+        "completion lengths).",
         "",
     ]
     for name, size in report["sizes"].items():
@@ -178,7 +180,14 @@ def markdown(report: dict) -> str:
             f"(EOS allowed, biased to a mean of ~{size['assets']['eos_bias']['target_mean_length']:.0f}), "
             f"{s['precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
             f"loss {s['loss_type']}, beta {s['beta']}, lr {s['learning_rate']}, seed {s['seed']}; "
-            f"{s['warmup_steps']} warm-up + {s['measured_steps']} measured steps × {size['repeats']} repeats.",
+            f"{s['warmup_steps']} warm-up + {s['measured_steps']} measured steps × {size['repeats']} repeats.  ",
+            f"Our generation back-end: `{s.get('sampler', 'hf_generate')}`"
+            + (f", importance-sampling correction {s.get('importance_sampling', 'default')}"
+               if s.get("sampler", "hf_generate") != "hf_generate" else "")
+            + "; TRL: transformers `generate`."
+            + ("" if s.get("sampler", "hf_generate") == "hf_generate" else
+               " The two draw their random numbers differently: the completions differ between the trainers "
+               "(same distribution), so each trainer's completion lengths are shown."),
             "",
         ]
         if size.get("errors"):
@@ -215,7 +224,8 @@ def markdown(report: dict) -> str:
                          f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
         lines += [
             "",
-            f"ours/TRL tokens/s step by step (the same prompts and completions on both sides; median = the "
+            f"ours/TRL tokens/s step by step (the same prompts"
+            f"{' and completions' if s.get('sampler', 'hf_generate') == 'hf_generate' else ''} on both sides; median = the "
             f"ratio above): {', '.join(f'{x:.2f}' for x in r['tokens_per_s_by_step'])}; ratio of the medians "
             f"{r['tokens_per_s_of_medians']:.2f}; repeat by repeat: "
             f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s_pairs'])}. Total tokens / total time: ours "
@@ -231,8 +241,9 @@ def markdown(report: dict) -> str:
             "",
         ]
     if report.get("targets"):
-        lines += ["## Targets (issue 4)", "", "| size | target | measured | met |", "|---|---|---|---|"]
+        lines += ["## Targets", "", "| issue | size | target | measured | met |", "|---|---|---|---|---|"]
         for t in report["targets"]:
-            lines.append(f"| {t['size']} | {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |")
+            lines.append(f"| {t.get('issue', '4')} | {t['size']} | {t['target']} | {t['measured']} | "
+                         f"{'yes' if t['met'] else '**no**'} |")
         lines.append("")
     return "\n".join(lines)
