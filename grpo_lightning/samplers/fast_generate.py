@@ -155,7 +155,7 @@ class FastGenerateSampler(Sampler):
         logps = torch.zeros((n, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((n,), max_new, dtype=torch.long)
         live = torch.arange(n, device=device)  # rows still running, as indices into the request
-        draw = ExactDraw(model.config.get_text_config().vocab_size, n, device)
+        draw = ExactDraw()
         step_ids, step_mask, step_pos = input_ids, attention_mask, positions
         head = OneDNNHead.for_model(model) if self.onednn_head else None
         decoder = model.get_decoder() if head is not None else None
@@ -253,14 +253,16 @@ class ExactDraw:
     which ``multinomial`` over float32 ``softmax`` probabilities draws as well.
     """
 
-    def __init__(self, vocab_size: int, rows: int, device: torch.device):
-        self.vocab, self.blocks = vocab_size, -(-vocab_size // BLOCK)
-        self.buffer = torch.zeros((rows, self.blocks * BLOCK), dtype=torch.float32, device=device)
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None  # (rows, blocks * BLOCK), sized by the first call
+        self.vocab = self.blocks = 0
 
     def __call__(self, scores: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         r, v = scores.shape
-        if v != self.vocab:
-            raise RuntimeError(f"the policy returned {v} logits per token, its config says vocab_size={self.vocab}")
+        blocks = -(-v // BLOCK)
+        if self.buffer is None or v != self.vocab or r > self.buffer.shape[0] or self.buffer.device != scores.device:
+            self.vocab, self.blocks = v, blocks  # the padding past ``v`` must stay 0
+            self.buffer = torch.zeros((r, blocks * BLOCK), dtype=torch.float32, device=scores.device)
         top = scores.max(-1, keepdim=True).values  # (r, 1)
         if not bool(torch.isfinite(top).all()):
             raise RuntimeError("the policy's scores hold NaN or +inf (or only -inf): nothing to sample from.")
