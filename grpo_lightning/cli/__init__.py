@@ -22,6 +22,9 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+from grpo_lightning.cli.checkpoints import (
+    forget_previous_run, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
+)
 from grpo_lightning.cli.parser import COMPONENTS, GRPOArgumentParser, expand_component_names
 from grpo_lightning.cli.run_dir import check_run_dir
 from grpo_lightning.data import RolloutDataModule
@@ -68,7 +71,8 @@ class LogConfigToMLflow(SaveConfigCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.is_global_zero:
             os.makedirs(trainer.default_root_dir, exist_ok=True)
-            path = os.path.join(trainer.default_root_dir, self.config_filename)
+            resumed = bool(self.config.get("ckpt_path"))  # keep the config that started the run
+            path = os.path.join(trainer.default_root_dir, "config_resumed.yaml" if resumed else self.config_filename)
             self.parser.save(self.config, path, skip_unset=False, overwrite=True, multifile=False)
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -78,9 +82,15 @@ class LogConfigToMLflow(SaveConfigCallback):
             if not isinstance(logger, MLFlowLogger):
                 continue
             text = self.parser.dump(self.config, skip_unset=False)
-            logger.experiment.log_text(logger.run_id, text, "config.yaml")
+            if stage == "fit" and trainer.is_global_zero:  # lets a resume continue this MLflow run
+                write_run_record(trainer.default_root_dir, logger.run_id, getattr(logger, "_tracking_uri", ""),
+                                 getattr(logger, "_experiment_name", ""))
+            logged = logger.experiment.get_run(logger.run_id).data.params
+            # A resumed run continues its MLflow run, whose params cannot change: the resume's own
+            # config is kept as an artifact, and only settings new to the run become params.
+            logger.experiment.log_text(logger.run_id, text, "config_resumed.yaml" if logged else "config.yaml")
             flat = _flatten(self.parser.dump(self.config, format="json", skip_unset=False))
-            logger.log_hyperparams({f"config/{k}": v for k, v in flat.items()})
+            logger.log_hyperparams({f"config/{k}": v for k, v in flat.items() if f"config/{k}" not in logged})
 
 
 def _flatten(config_json: str) -> dict[str, str]:
@@ -118,6 +128,17 @@ class GRPOLightningCLI(LightningCLI):
             help="Let `grpo fit` write into a trainer.default_root_dir that holds another run (its files are "
                  "overwritten). Without it such a folder is refused unless resuming with --ckpt_path.",
         )
+        parser.add_argument(
+            "--checkpoint_every_n_steps", type=int, default=50,
+            help="Default checkpointing (when no ModelCheckpoint is configured and trainer.enable_checkpointing is "
+                 "on): a checkpoint every this many optimizer steps in <default_root_dir>/checkpoints, plus one when "
+                 "training fails. Resume with --ckpt_path last.",
+        )
+        parser.add_argument(
+            "--keep_checkpoints", type=int, default=2,
+            help="How many of the newest periodic checkpoints the default checkpointing keeps (last.ckpt links to "
+                 "the newest).",
+        )
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -127,10 +148,24 @@ class GRPOLightningCLI(LightningCLI):
             from lightning.pytorch.loggers import MLFlowLogger
 
             root = config.trainer.default_root_dir or os.getcwd()
-            kwargs["logger"] = MLFlowLogger(**mlflow_logger_config(root)["init_args"])
+            settings = mlflow_logger_config(root)["init_args"]
+            record = read_run_record(root) if self.subcommand == "fit" and config.get("ckpt_path") else None
+            if record and record.get("tracking_uri") == settings["tracking_uri"]:
+                settings["run_id"] = record["mlflow_run_id"]  # a resume continues its MLflow run
+            kwargs["logger"] = MLFlowLogger(**settings)
         trainer = super().instantiate_trainer(**kwargs)
         _current_trainer.set(trainer)
         return trainer
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        """Checkpoints in the run folder (``cli.checkpoints``) unless checkpointing is off."""
+        run = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit" and config.get("enable_checkpointing") is not False:
+            root = config.get("default_root_dir") or os.getcwd()
+            configured = list(config.get("callbacks") or [])
+            config["callbacks"] = place_checkpoints(configured, root, int(run.get("checkpoint_every_n_steps", 50)),
+                                                    int(run.get("keep_checkpoints", 2)))
+        return super()._instantiate_trainer(config, callbacks)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -144,6 +179,9 @@ class GRPOLightningCLI(LightningCLI):
             root = trainer.default_root_dir or os.getcwd()
             check_run_dir(root, config.get("ckpt_path"), bool(config.get("overwrite_run_dir")),
                           config.get("model.output_dir"))
+            config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), root)
+            if config.get("overwrite_run_dir") and not config.get("ckpt_path"):
+                forget_previous_run(root)
 
 
 def _show_package_logs() -> None:

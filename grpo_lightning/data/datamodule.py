@@ -14,9 +14,12 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
-from grpo_lightning.data.micro_steps import MicroStepRef, MicroStepSchedule, MicroStepStream
+from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
+from grpo_lightning.data.resume_state import (
+    batch_from_state, batch_state, check_same_plan, dataset_digest, restore_rng, rng_snapshot,
+)
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
 from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
@@ -214,6 +217,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.num_tokens = 0
         self._buffer_key: tuple[int, int] | None = None
         self._buffer: list[RolloutBatch] = []
+        self.run_plan: dict[str, Any] = {}  # what a resumed run must not change (resume_state.PLAN_KEYS)
+        self._resume_rank_state: dict[str, Any] | None = None  # applied before the next training generation
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, stage: str) -> None:
@@ -253,6 +258,13 @@ class RolloutDataModule(pl.LightningDataModule):
                 "the last optimizer step of each epoch accumulates fewer micro-batches.",
                 self.schedule.steps_per_epoch, trainer.accumulate_grad_batches,
             )
+        self.run_plan = dict(
+            dataset_rows=len(self.train_dataset), dataset_digest=dataset_digest(self.train_dataset["prompt"]),
+            num_generations=self.num_generations, generation_batch_size=plan.generation_batch_size,
+            steps_per_generation=plan.steps_per_generation, per_device_train_batch_size=self.per_device_train_batch_size,
+            num_iterations=self.num_iterations, accumulate_grad_batches=trainer.accumulate_grad_batches,
+            world_size=trainer.world_size, shuffle_dataset=self.shuffle_dataset,
+        )
         settings = self._settings(self.num_generations, plan, trainer.accumulate_grad_batches, self.num_iterations)
         if trainer.is_global_zero:
             log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
@@ -301,13 +313,14 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.schedule is None:
             raise RuntimeError("RolloutDataModule.setup('fit') must run before train_dataloader().")
         stream = MicroStepStream(self.schedule, start_step=lambda: self.micro_steps_done)
-        return DataLoader(stream, batch_size=None, num_workers=0)
+        return DescriptorLoader(stream, position=lambda: self.micro_steps_done)
 
     def val_dataloader(self) -> list[DataLoader]:
         loaders = []
         for name, dataset in self.eval_datasets.items():
             plan = EvalPlan(len(dataset), self.per_device_eval_batch_size // self.num_generations_eval, self.trainer.world_size)
-            loaders.append(DataLoader(EvalStream(name, plan, self.trainer.global_rank), batch_size=None, num_workers=0))
+            loaders.append(DataLoader(EvalStream(name, plan, self.trainer.global_rank), batch_size=None, num_workers=0,
+                                      generator=torch.Generator()))  # not the global RNG: training's stream stays put
         return loaders
 
     # ------------------------------------------------------------------ rollouts, just in time
@@ -327,6 +340,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def micro_batch(self, ref: MicroStepRef) -> RolloutBatch:
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
+        if self._resume_rank_state is not None:
+            self._apply_resume_state()
         key = (ref.epoch, ref.generation)
         fresh = key != self._buffer_key
         if fresh:
@@ -357,7 +372,14 @@ class RolloutDataModule(pl.LightningDataModule):
         row_ids, counts = ref.rows(self.num_generations_eval)  # repeated prompts keep ranks in step, uncounted
         rows = [self._format_row(dataset[i]) for i in row_ids]
         state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
-        built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
+        # Evaluation samples from its own RNG stream, seeded by (data seed, step, set, batch): it is
+        # reproducible, and training's stream is the same with or without it (and after a resume).
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):
+            order_seed = self.prompt_order.seed if self.prompt_order is not None else data_seed(self.seed)
+            torch.manual_seed(shuffle_seed(order_seed, self.trainer.global_rank, self.trainer.global_step,
+                                           10_000 + 1_000 * list(self.eval_datasets).index(ref.name) + ref.step))
+            built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
         prefix = f"eval_{ref.name}_" if ref.name else "eval_"
         return replace(built.micro_batches[0], metric_prefix=prefix, accumulation_steps=1)
 
@@ -395,10 +417,17 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
+        """The prompt position and data plan, and each rank's RNG streams and generation buffer
+        (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
-        return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed}
+        mine = {"rng": rng_snapshot(), "buffer_key": self._buffer_key,
+                "buffer": [batch_state(b) for b in self._buffer] if self._buffer_key is not None else []}
+        ranks = self._all_gather_objects(mine) if self.trainer.world_size > 1 else [mine]
+        return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
+                "plan": self.run_plan, "ranks": ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_same_plan(state_dict.get("plan"), self.run_plan)
         self.micro_steps_done = int(state_dict["micro_steps_done"])
         self.num_tokens = int(state_dict["num_tokens"])
         saved, order = state_dict.get("seed"), self.prompt_order
@@ -407,5 +436,17 @@ class RolloutDataModule(pl.LightningDataModule):
             log.warning("Resuming with the checkpoint's data seed %d (the global seed is now %d).", saved, order.seed)
             self.prompt_order = PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved)
         self._buffer_key, self._buffer = None, []
+        ranks = state_dict.get("ranks")
+        self._resume_rank_state = ranks[self.trainer.global_rank] if ranks else None
 
+    def _apply_resume_state(self) -> None:
+        """Right before the first training generation after a resume: the RNG streams as they were
+        when the checkpoint was written, and the partly replayed generation batch, if any."""
+        state, self._resume_rank_state = self._resume_rank_state, None
+        assert state is not None
+        restore_rng(state["rng"])
+        if state.get("buffer_key") is not None:
+            device = self.trainer.strategy.root_device
+            self._buffer_key = tuple(state["buffer_key"])
+            self._buffer = [batch_from_state(b, device) for b in state["buffer"]]
 

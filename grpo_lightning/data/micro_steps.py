@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from torch.utils.data import IterableDataset
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 
 # Not frozen (nor EvalRef): under ``*-true`` precision Lightning passes every batch through the
@@ -65,3 +66,21 @@ class MicroStepStream(IterableDataset):
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
+
+
+class DescriptorLoader(DataLoader):
+    """The training loader of micro-step descriptors. It draws nothing from the global RNG (it has
+    its own generator, where a plain DataLoader draws a seed from the global one at every epoch's
+    iterator), and it is resumable: its position is ``position()`` (the datamodule's
+    ``micro_steps_done``, restored with the datamodule's state), so Lightning's loader state hooks
+    have nothing more to restore."""
+
+    def __init__(self, stream: MicroStepStream, position: Callable[[], int]) -> None:
+        super().__init__(stream, batch_size=None, num_workers=0, generator=torch.Generator())
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_steps_done": self._position()}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Nothing to do: ``RolloutDataModule.load_state_dict`` restored the position."""

@@ -66,3 +66,17 @@ def test_validate_without_eval_dataset_is_a_clear_error(setup, tmp_path, capsys)
     with pytest.raises(SystemExit) as exit_info:  # a user error: one message, no traceback
         main(["validate", "--config", str(write_config(setup, tmp_path))])
     assert exit_info.value.code == 1 and "data.eval_dataset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_evaluation_leaves_the_training_trajectory_unchanged(setup, tmp_path):
+    """Evaluation samples from its own seeded RNG stream: the training run with evaluation every
+    2 steps trains on the same completions (same rewards and losses) as the one without."""
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    main(["fit", "--config", str(write_config(setup, tmp_path / "with", eval_dataset=setup["test"]))])
+    main(["fit", "--config", str(write_config(setup, tmp_path / "without"))])
+    for name in ("loss", "reward", "completions/mean_length"):
+        with_eval, _ = history(tmp_path / "with" / "run", name)
+        without_eval, _ = history(tmp_path / "without" / "run", name)
+        assert with_eval == without_eval, name

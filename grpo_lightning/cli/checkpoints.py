@@ -1,0 +1,152 @@
+"""Checkpoints of a ``grpo fit`` run: where they go, which to resume from, which run they continue.
+
+Layer L6. A run folder (``trainer.default_root_dir``) holds one run, so it also holds its
+checkpoints in one stable place, ``<root>/checkpoints`` (Lightning's default, under the MLflow
+logger, is a new ``<experiment>/<run>/checkpoints`` folder per resume), and ``run.json`` naming the
+MLflow run, so that a resumed run logs into the same MLflow run instead of opening a new one.
+
+By default a run keeps the last ``keep_checkpoints`` periodic checkpoints (every
+``checkpoint_every_n_steps`` optimizer steps; ``last.ckpt`` links to the newest) plus one written
+when training fails with an exception: a crash loses at most that many steps, and a 7B run's
+disk use stays bounded. ``--ckpt_path last`` resumes from the newest complete checkpoint there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zipfile
+from typing import Any
+
+from grpo_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+CHECKPOINT_DIR = "checkpoints"
+RUN_RECORD = "run.json"
+EXCEPTION_CHECKPOINT = "on_exception"
+
+
+def checkpoint_dir(root_dir: str) -> str:
+    return os.path.join(os.path.abspath(root_dir), CHECKPOINT_DIR)
+
+
+def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
+    """A ``ModelCheckpoint`` keeping the ``keep`` newest of its every-``every_n_steps`` checkpoints
+    (``last.ckpt`` links to the newest), and an ``OnExceptionCheckpoint``, both in the run's folder."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    if every_n_steps < 1 or keep < 1:
+        raise ConfigError(f"checkpoint_every_n_steps={every_n_steps}, keep_checkpoints={keep}: both must be >= 1 "
+                          "(trainer.enable_checkpointing: false turns checkpoints off).")
+    folder = checkpoint_dir(root_dir)
+    # monitor="step" (always a candidate) with mode max keeps the newest: top-k of the step number.
+    periodic = ModelCheckpoint(dirpath=folder, filename="step={step:07d}", auto_insert_metric_name=False,
+                               every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
+                               save_last="link")
+    return [periodic, OnExceptionCheckpoint(dirpath=folder, filename=EXCEPTION_CHECKPOINT)]
+
+
+def place_checkpoints(callbacks: list[Any], root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
+    """``callbacks`` with the run's checkpoints: the configured ``ModelCheckpoint``s write into
+    ``<root>/checkpoints`` unless they name a folder; with none configured, the defaults are added."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    configured = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    for callback in configured:
+        if callback.dirpath is None:
+            callback.dirpath = checkpoint_dir(root_dir)
+    return callbacks if configured else [*callbacks, *default_checkpoints(root_dir, every_n_steps, keep)]
+
+
+def is_complete(path: str) -> bool:
+    """Whether a checkpoint was written whole: a file is a zip whose central directory (written
+    last) is readable; a distributed-checkpoint folder has its ``.metadata`` (written last)."""
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, ".metadata"))
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _candidates(folder: str) -> list[str]:
+    """Checkpoints in ``folder``, newest first (by write time; ``last.ckpt`` is a link to one of them)."""
+    if not os.path.isdir(folder):
+        return []
+    paths = [os.path.join(folder, name) for name in os.listdir(folder)
+             if (name.endswith(".ckpt") and name != "last.ckpt") or os.path.isdir(os.path.join(folder, name))]
+    return sorted(paths, key=lambda p: os.path.getmtime(p), reverse=True)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, root_dir: str) -> str | None:
+    """The checkpoint file a ``--ckpt_path`` resumes from.
+
+    ``last``: the newest complete checkpoint in ``<root>/checkpoints`` (an error naming the folder
+    when there is none, instead of Lightning's silent fresh start). A path: that file, or, when it
+    was left half-written (a run killed while saving), the newest complete one beside it, with a
+    warning. Other values (``best``, ``hpc``, ``registry:...``) are Lightning's.
+    """
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        folder = checkpoint_dir(root_dir)
+        found = [p for p in _candidates(folder) if is_complete(p)]
+        if not found:
+            raise ConfigError(
+                f"--ckpt_path last: no complete checkpoint in {folder}. Resume with --ckpt_path <file>, or check "
+                "trainer.default_root_dir (it must be the folder of the run to resume).")
+        return found[0]
+    if ckpt_path in ("best", "hpc") or ckpt_path.startswith("registry"):
+        return ckpt_path
+    if not os.path.exists(ckpt_path):
+        raise ConfigError(f"--ckpt_path {ckpt_path}: no such checkpoint. Give an existing file, or last.")
+    if is_complete(ckpt_path):
+        return ckpt_path
+    folder = os.path.dirname(os.path.abspath(ckpt_path))
+    previous = [p for p in _candidates(folder) if is_complete(p) and os.path.realpath(p) != os.path.realpath(ckpt_path)]
+    if not previous:
+        raise ConfigError(f"--ckpt_path {ckpt_path} is incomplete (the run was stopped while writing it) and no "
+                          f"complete checkpoint is beside it in {folder}.")
+    log.warning("Checkpoint %s is incomplete (the run was stopped while writing it); resuming from %s, the newest "
+                "complete one.", ckpt_path, previous[0])
+    return previous[0]
+
+
+def forget_previous_run(root_dir: str) -> None:
+    """On ``--overwrite_run_dir``: drop the previous run's checkpoints and run record, so that
+    ``--ckpt_path last`` can never resume the run that was written over. Only the launching
+    process does it (ranks that a strategy launches later re-run the command line)."""
+    import shutil
+
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return
+    shutil.rmtree(checkpoint_dir(root_dir), ignore_errors=True)
+    record = os.path.join(root_dir, RUN_RECORD)
+    if os.path.isfile(record):
+        os.remove(record)
+
+
+def write_run_record(root_dir: str, mlflow_run_id: str, tracking_uri: str, experiment_name: str) -> None:
+    """``<root>/run.json``: the MLflow run this folder's run logs to."""
+    os.makedirs(root_dir, exist_ok=True)
+    record = {"mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri, "experiment_name": experiment_name}
+    tmp = os.path.join(root_dir, RUN_RECORD + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(root_dir, RUN_RECORD))
+
+
+def read_run_record(root_dir: str) -> dict[str, str] | None:
+    path = os.path.join(root_dir, RUN_RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+__all__ = [
+    "CHECKPOINT_DIR", "checkpoint_dir", "default_checkpoints", "forget_previous_run", "is_complete", "place_checkpoints", "read_run_record",
+    "resolve_ckpt_path", "write_run_record",
+]

@@ -1,0 +1,113 @@
+"""What a checkpoint must hold for a resumed run to continue exactly as if it never stopped.
+
+Layer L4 (data side). ``RolloutDataModule.state_dict`` stores, besides the prompt position:
+
+* the **run plan** (dataset identity, batch arithmetic, world size): a resume under another plan
+  would silently train on other prompts or another batch split, so it is refused by name;
+* per rank, **every RNG stream** (torch CPU and CUDA, numpy, Python) and the **generation buffer**
+  (the rollouts of a generation batch that spans several optimizer steps when ``num_iterations``
+  or ``steps_per_generation`` replay it). Checkpoints are saved at optimizer-step ends, which can
+  fall inside a generation batch; restoring its rollouts (instead of regenerating them) keeps the
+  remaining micro-steps identical.
+
+The RNG snapshot is taken when the checkpoint is written (after the step's optimizer update) and
+applied right before the next training generation, the first consumer in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from grpo_lightning.errors import ConfigError
+from grpo_lightning.types import RolloutBatch
+
+#: Settings that fix which prompts each micro-step trains on; a resume must not change them.
+PLAN_KEYS = (
+    "dataset_rows", "dataset_digest", "num_generations", "generation_batch_size", "steps_per_generation",
+    "per_device_train_batch_size", "num_iterations", "accumulate_grad_batches", "world_size", "shuffle_dataset",
+)
+
+
+def dataset_digest(prompts: Sequence[Any], sample: int = 16) -> str:
+    """A short hash of the prompt column (its size and up to ``sample`` rows spread over it):
+    cheap on a million-row dataset, and it changes when the data or its order changes.
+
+    >>> dataset_digest(["a", "b"]) == dataset_digest(["a", "b"]), dataset_digest(["a", "b"]) == dataset_digest(["b", "a"])
+    (True, False)
+    """
+    n = len(prompts)
+    picks = sorted({int(i * (n - 1) / max(sample - 1, 1)) for i in range(min(sample, n))})
+    payload = json.dumps([n, [[i, prompts[i]] for i in picks]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def check_same_plan(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming every plan setting that differs from the checkpoint's."""
+    if not saved:
+        return  # a checkpoint written before plans were recorded
+    changed = {k: (saved.get(k), current.get(k)) for k in PLAN_KEYS if k in saved and saved.get(k) != current.get(k)}
+    if changed:
+        listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
+        raise ConfigError(
+            f"This checkpoint was written by a run with another data plan ({listed}). Resuming would train on "
+            "other prompts or another batch split than the run it continues. Resume with the original settings "
+            "(dataset, data.*, trainer.accumulate_grad_batches, devices x num_nodes), or start a new run in another "
+            "trainer.default_root_dir (from the checkpoint's weights: model.model=<exported model>)."
+        )
+
+
+def rng_snapshot() -> dict[str, Any]:
+    """Every RNG stream of this process (torch, CUDA when present, numpy, Python), as tensors,
+    numbers and tuples (loadable with ``weights_only=True``)."""
+    import random
+
+    import numpy as np
+
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng(states: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    name, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def batch_state(batch: RolloutBatch) -> dict[str, Any]:
+    """A ``RolloutBatch`` as plain values (CPU tensors, numbers, strings, dicts): loadable with
+    ``torch.load(weights_only=True)``."""
+    out: dict[str, Any] = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        out[f.name] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def batch_from_state(state: Mapping[str, Any], device: torch.device | str) -> RolloutBatch:
+    values = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return RolloutBatch(**values)
+
+
+__all__ = [
+    "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "restore_rng", "rng_snapshot",
+]

@@ -1,0 +1,99 @@
+"""The run's checkpoints: one folder, defaults when none is configured, ``last`` that finds the
+newest complete checkpoint, half-written checkpoints detected and skipped, a changed data plan
+refused on resume."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from grpo_lightning.cli.checkpoints import (
+    checkpoint_dir, is_complete, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
+)
+from grpo_lightning.data import RolloutDataModule
+from grpo_lightning.errors import ConfigError
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.types import GenerationParams
+from tests.helpers import length_reward, make_model_dir, write_prompts
+
+
+def _save(path, step):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, "weights": torch.randn(64)}, path)
+    time.sleep(0.02)  # distinct modification times
+
+
+def test_defaults_are_added_only_when_no_checkpoint_is_configured(tmp_path):
+    added = place_checkpoints([], str(tmp_path), every_n_steps=7, keep=3)
+    periodic, on_exception = added
+    assert isinstance(periodic, ModelCheckpoint) and isinstance(on_exception, OnExceptionCheckpoint)
+    assert periodic.dirpath == checkpoint_dir(str(tmp_path)) == on_exception.dirpath
+    assert (periodic._every_n_train_steps, periodic.save_top_k, periodic.monitor, periodic.save_last) == (7, 3, "step", "link")
+    mine = ModelCheckpoint(every_n_train_steps=1)
+    elsewhere = ModelCheckpoint(dirpath=str(tmp_path / "mine"))
+    assert place_checkpoints([mine, elsewhere], str(tmp_path), 7, 3) == [mine, elsewhere]
+    assert mine.dirpath == checkpoint_dir(str(tmp_path)) and elsewhere.dirpath == str(tmp_path / "mine")
+    with pytest.raises(ConfigError, match="keep_checkpoints=0"):
+        place_checkpoints([], str(tmp_path), 5, 0)
+
+
+def test_last_is_the_newest_complete_checkpoint(tmp_path):
+    folder = tmp_path / "checkpoints"
+    with pytest.raises(ConfigError, match=r"--ckpt_path last: no complete checkpoint in .*checkpoints"):
+        resolve_ckpt_path("last", str(tmp_path))
+    _save(folder / "step=0000003.ckpt", 3)
+    _save(folder / "step=0000006.ckpt", 6)
+    os.symlink("step=0000006.ckpt", folder / "last.ckpt")
+    assert resolve_ckpt_path("last", str(tmp_path)) == str(folder / "step=0000006.ckpt")
+    _save(folder / "on_exception.ckpt", 7)  # written when step 8 failed: the newest
+    assert resolve_ckpt_path("last", str(tmp_path)) == str(folder / "on_exception.ckpt")
+    assert resolve_ckpt_path(None, str(tmp_path)) is None and resolve_ckpt_path("best", str(tmp_path)) == "best"
+
+
+def test_a_half_written_checkpoint_is_detected_and_the_previous_one_used(tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    _save(folder / "step=0000003.ckpt", 3)
+    _save(folder / "step=0000006.ckpt", 6)
+    data = (folder / "step=0000006.ckpt").read_bytes()
+    (folder / "step=0000006.ckpt").write_bytes(data[: len(data) // 2])  # killed while writing
+    assert not is_complete(str(folder / "step=0000006.ckpt")) and is_complete(str(folder / "step=0000003.ckpt"))
+    assert resolve_ckpt_path("last", str(tmp_path)) == str(folder / "step=0000003.ckpt")
+    with caplog.at_level("WARNING", logger="grpo_lightning.cli.checkpoints"):
+        chosen = resolve_ckpt_path(str(folder / "step=0000006.ckpt"), str(tmp_path))
+    assert chosen == str(folder / "step=0000003.ckpt")
+    assert "is incomplete (the run was stopped while writing it); resuming from" in caplog.text
+    (folder / "step=0000003.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ConfigError, match="is incomplete .* no complete checkpoint is beside it"):
+        resolve_ckpt_path(str(folder / "step=0000006.ckpt"), str(tmp_path))
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        resolve_ckpt_path(str(folder / "missing.ckpt"), str(tmp_path))
+
+
+def test_the_run_record_round_trips(tmp_path):
+    assert read_run_record(str(tmp_path)) is None
+    write_run_record(str(tmp_path), "abc123", "sqlite:///x.db", "grpo")
+    assert read_run_record(str(tmp_path)) == {"mlflow_run_id": "abc123", "tracking_uri": "sqlite:///x.db",
+                                              "experiment_name": "grpo"}
+
+
+def _fit(tmp_path, max_steps, per_device_train_batch_size=8, ckpt_path=None):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[checkpoint], default_root_dir=str(tmp_path))
+    module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, save_final_model=False)
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=per_device_train_batch_size,
+                             generation=GenerationParams(max_completion_length=4))
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_data_plan_is_refused_by_name(tmp_path):
+    _fit(tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"per_device_train_batch_size: 8 in the checkpoint, 4 now.*original settings"):
+        _fit(tmp_path, 2, per_device_train_batch_size=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
