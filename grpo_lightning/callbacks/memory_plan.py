@@ -91,7 +91,7 @@ def plan_inputs(
         gradient_checkpointing=bool(pl_module.model_settings.gradient_checkpointing),
         chunked_lm_head=options.chunked_lm_head, lm_head_chunk_tokens=options.lm_head_chunk_tokens,
         padding_free=options.padding_free, train_token_budget=options.train_token_budget,
-        logprob_token_budget=options.logprob_token_budget,
+        logprob_token_budget=options.logprob_token_budget, entropy_grad=getattr(pl_module, "entropy_coef", 0) != 0,
         attention="eager" if getattr(config, "_attn_implementation", None) == "eager" else "fused",
         sampler=sampler_kind, device_bytes=device_bytes, **vllm,
     )

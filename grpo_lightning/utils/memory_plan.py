@@ -117,6 +117,7 @@ class MemorySettings:
         logprob_rows: rows of one no-grad log-prob pass; ``None`` when no such pass runs.
         gradient_checkpointing, chunked_lm_head, lm_head_chunk_tokens, padding_free,
         train_token_budget, logprob_token_budget: the module's ``model.*``/``model.forward.*``.
+        entropy_grad: the entropy bonus is on (``entropy_coef != 0``): its gradient is built too.
         attention: ``fused`` (sdpa/flash kernels: memory linear in ``T``) or ``eager``.
         sampler: ``hf`` (generate on the policy: a KV cache), ``vllm_colocate`` or ``external``.
         vllm_gpu_memory_utilization / vllm_kv_cache_bytes / vllm_sleep_mode: the colocated engine.
@@ -143,6 +144,7 @@ class MemorySettings:
     padding_free: bool = True
     train_token_budget: int | None = None
     logprob_token_budget: int | None = None
+    entropy_grad: bool = False
     attention: Literal["fused", "eager"] = "fused"
     sampler: SamplerKind = "hf"
     vllm_gpu_memory_utilization: float = 0.3
@@ -247,9 +249,11 @@ def _tokens_per_pass(rows: int, seq: int, budget: int | None) -> int:
 def _head_transient(shape: ModelShape, s: MemorySettings, completion_tokens: int, rows: int, grad: bool) -> tuple[int, str]:
     """The LM head's vocabulary-sized buffers.
 
-    Chunked head: ~3 fp32 ``(chunk, V)`` buffers (the chunk's logits, its exp for the
-    log-normaliser/entropy, and in backward the recomputed logits turned in place into
-    ``∂/∂logits`` plus the next chunk's) — independent of the batch. Plain path (TRL's): the
+    Chunked head (``algo/chunked_logprobs.py``): 2 fp32 ``(chunk, V)`` buffers — in forward the
+    chunk's logits and ``exp(z − max)``, in backward the recomputed logits and ``∂/∂logits`` built
+    from them (a third, ``coef``, when the entropy bonus needs its gradient) — plus, in backward,
+    the ``(V, h)`` fp32 product ``gradᵀ·h`` added into the head's gradient per chunk. Independent
+    of the batch. Plain path (TRL's): the
     model's ``(B, Tc+1, V)`` logits in the matmul dtype, the fp32 per-8-row copies log-softmax
     saves for backward (all of them, under grad) and in backward the fp32 gradient of the logits;
     without grad only one 8-row fp32 chunk lives at a time.
@@ -257,7 +261,9 @@ def _head_transient(shape: ModelShape, s: MemorySettings, completion_tokens: int
     V = shape.vocab_size
     if s.chunked_lm_head:
         chunk = min(s.lm_head_chunk_tokens, completion_tokens)
-        return 3 * chunk * V * 4, f"3 x {chunk} tokens x {V} vocab x 4 B"
+        copies = 3 if (grad and s.entropy_grad) else 2
+        product = V * shape.hidden_size * 4 if grad else 0
+        return copies * chunk * V * 4 + product, f"{copies} x {chunk} tokens x {V} vocab x 4 B" + (" + V x h x 4 B" if grad else "")
     if grad:
         per = s.compute_bytes + 4 + 4
         return completion_tokens * V * per, f"{completion_tokens} tokens x {V} vocab x ({s.compute_bytes}+4+4) B"

@@ -69,6 +69,22 @@ def peak_rss_bytes() -> int:
     return _meminfo("VmHWM", "/proc/self/status") or 0
 
 
+def current_anon_bytes() -> int:
+    """Anonymous resident memory (``RssAnon``): the process's own allocations, not the library
+    code and files it has mapped."""
+    return _meminfo("RssAnon", "/proc/self/status") or 0
+
+
+def peak_anon_bytes() -> int:
+    """The peak of anonymous memory since the last :func:`reset_peak_rss`, as ``VmHWM`` minus the
+    file-backed and shared pages resident now. Running new code paths (generate, backward
+    kernels) faults in pages of ``libtorch`` that ``VmHWM`` counts but no tensor uses; they stay
+    resident, so subtracting the present ones leaves the anonymous peak (slightly under it if
+    file pages were dropped since)."""
+    status = "/proc/self/status"
+    return peak_rss_bytes() - (_meminfo("RssFile", status) or 0) - (_meminfo("RssShmem", status) or 0)
+
+
 def reset_peak_rss() -> bool:
     """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5); False where unsupported."""
     try:
