@@ -24,7 +24,7 @@ from grpo_lightning.module.model_building import ModelSettings, build_models, da
 from grpo_lightning.module.model_info import read_model_info
 from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
 from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
-from grpo_lightning.module.peft_models import export_peft_policy, reference_scope
+from grpo_lightning.module.peft_models import drop_quantization_state, export_peft_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, gathered_weights
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
@@ -396,6 +396,10 @@ class GRPOModule(pl.LightningModule):
             warmup_steps=self.warmup_steps, warmup_ratio=self.warmup_ratio,
             total_steps=int(self.trainer.estimated_stepping_batches),
         )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
+            drop_quantization_state(checkpoint["state_dict"])
 
     # ------------------------------------------------------------------------- export
     def on_train_end(self) -> None:

@@ -64,6 +64,20 @@ def reference_scope(
         raise RuntimeError("Reference log-probs were requested but the loss has beta == 0 (no reference model).")
 
 
+#: Entries bitsandbytes adds to a quantized layer's state dict (4-bit quant state, 8-bit scales),
+#: which ``load_state_dict`` does not take back.
+_QUANT_STATE_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", ".weight_format")
+
+
+def drop_quantization_state(state_dict: dict[str, Any]) -> None:
+    """Remove bitsandbytes' quant-state entries from a checkpoint's ``state_dict``, in place.
+
+    The quantized base weights are frozen and rebuilt identically from ``model.model`` in
+    ``configure_model``; only their packed data is in the module's own keys."""
+    for key in [k for k in state_dict if k.endswith(_QUANT_STATE_SUFFIXES) or ".quant_state.bitsandbytes__" in k]:
+        del state_dict[key]
+
+
 def export_peft_policy(
     policy: torch.nn.Module,
     state: dict[str, torch.Tensor],

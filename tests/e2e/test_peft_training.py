@@ -166,3 +166,31 @@ def test_qlora_step_on_cpu(assets, tmp_path, bits):
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model")
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits", [None, pytest.param(4, marks=pytest.mark.slow)], ids=["lora", "qlora-4bit"])
+def test_resume_from_a_checkpoint_restores_the_adapters_exactly(assets, tmp_path, bits):
+    """A resumed LoRA/QLoRA run ends with the adapters of the run that never stopped (the
+    quantized base is rebuilt from model.model; bitsandbytes' quant state is not loaded back)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if bits:
+        pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'grpo-lightning[quantization]')")
+    model_dir = _qlora_model_dir(tmp_path / "model64") if bits else assets["model"]
+    kwargs = dict(peft_config={"r": 4, "target_modules": "all-linear"}, save_final_model=False,
+                  quantization_config={"load_in_4bit": True} if bits else None)
+
+    def run(root, max_steps, ckpt_path=None, callbacks=()):
+        module = GRPOModule(model_dir, loss=LOSSES["grpo"](beta=0.04), learning_rate=1e-2, **kwargs)
+        datamodule = RolloutDataModule(assets["prompts"], reward_funcs=[length_reward], num_generations=4,
+                                       per_device_train_batch_size=8, generation=GenerationParams(max_completion_length=4))
+        trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(root), callbacks=list(callbacks))
+        trainer.fit(module, datamodule, ckpt_path=ckpt_path)
+        return {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
+    straight = run(tmp_path / "a", 2, callbacks=[checkpoints])
+    resumed = run(tmp_path / "b", 2, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[n], resumed[n]) for n in straight)
