@@ -70,6 +70,22 @@ def test_optimized_paths_on_a_lora_model_match_plain(head, path, no_plain_fallba
     assert not got[3][frozen].any(), "a frozen base weight received a gradient"
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_prefix_on_a_lora_model_matches_plain(attn, no_plain_fallback, monkeypatch):
+    """Repeated prompts forwarded once under a 4-D mask, through the adapted layers and head."""
+    from grpo_lightning.module import forward as forward_module
+    from tests.module.test_shared_prefix_forward import make_grouped
+
+    layouts = []
+    original = forward_module.shared_prefix_layout
+    monkeypatch.setattr(forward_module, "shared_prefix_layout", lambda *a, **k: layouts.append(original(*a, **k)) or layouts[-1])
+    model = lora(tiny("llama", attn=attn), target_modules="all-linear", modules_to_save=["lm_head"])
+    batch = make_grouped()
+    want = reference(model, batch, entropy_coef=0.1)
+    assert_same(run(model, batch, ForwardOptions(lm_head_chunk_tokens=4), entropy_coef=0.1), want, batch[3])
+    assert len(layouts) == 1 and layouts[0] is not None, "the shared-prefix layout was not used"
+
+
 @pytest.mark.parametrize("head", ["adapted-attention", "lora-on-lm_head", "lm_head-modules_to_save"])
 def test_disabled_adapters_on_the_optimized_path_give_the_base_model(head, no_plain_fallback):
     base = tiny("llama", tie=False)
