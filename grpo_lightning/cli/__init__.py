@@ -152,7 +152,14 @@ class GRPOLightningCLI(LightningCLI):
             record = read_run_record(root) if self.subcommand == "fit" and config.get("ckpt_path") else None
             if record and record.get("tracking_uri") == settings["tracking_uri"]:
                 settings["run_id"] = record["mlflow_run_id"]  # a resume continues its MLflow run
-            kwargs["logger"] = MLFlowLogger(**settings)
+            if launched_as_rank_zero():
+                kwargs["logger"] = MLFlowLogger(**settings)
+            else:
+                # Only rank 0 logs; an MLflow client on every process would also race to create
+                # the sqlite store when a launcher (torchrun, SLURM) starts all ranks at once.
+                from lightning.pytorch.loggers.logger import DummyLogger
+
+                kwargs["logger"] = DummyLogger()
         trainer = super().instantiate_trainer(**kwargs)
         _current_trainer.set(trainer)
         return trainer
@@ -177,11 +184,18 @@ class GRPOLightningCLI(LightningCLI):
         check_training_length(trainer.max_steps, trainer.max_epochs)
         if self.subcommand == "fit":
             root = trainer.default_root_dir or os.getcwd()
-            check_run_dir(root, config.get("ckpt_path"), bool(config.get("overwrite_run_dir")),
-                          config.get("model.output_dir"))
+            if launched_as_rank_zero():  # other ranks (other nodes) may start after rank 0 wrote the folder
+                check_run_dir(root, config.get("ckpt_path"), bool(config.get("overwrite_run_dir")),
+                              config.get("model.output_dir"))
             config["ckpt_path"] = resolve_ckpt_path(config.get("ckpt_path"), root)
-            if config.get("overwrite_run_dir") and not config.get("ckpt_path"):
+            if config.get("overwrite_run_dir") and not config.get("ckpt_path") and launched_as_rank_zero():
                 forget_previous_run(root)
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether this process is the job's first one, by the variables launchers set before Python
+    starts (torchrun, SLURM, Lightning's own DDP launcher for the processes it starts)."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
 def _show_package_logs() -> None:

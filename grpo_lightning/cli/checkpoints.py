@@ -116,12 +116,9 @@ def resolve_ckpt_path(ckpt_path: str | None, root_dir: str) -> str | None:
 
 def forget_previous_run(root_dir: str) -> None:
     """On ``--overwrite_run_dir``: drop the previous run's checkpoints and run record, so that
-    ``--ckpt_path last`` can never resume the run that was written over. Only the launching
-    process does it (ranks that a strategy launches later re-run the command line)."""
+    ``--ckpt_path last`` can never resume the run that was written over (called on rank 0 only)."""
     import shutil
 
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
-        return
     shutil.rmtree(checkpoint_dir(root_dir), ignore_errors=True)
     record = os.path.join(root_dir, RUN_RECORD)
     if os.path.isfile(record):
