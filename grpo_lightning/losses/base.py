@@ -151,6 +151,16 @@ class PolicyLoss:
         """Step 9: aggregate ``L`` (``(B, T)`` or ``(B, 1)``) into a scalar, before any GA division."""
         raise NotImplementedError
 
+    def aggregate(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 9: ``(loss, policy_loss metric)``: :meth:`normalize`, then for the grpo-like
+        families the division by the accumulation steps (the metric is taken before it)."""
+        policy_loss = self.normalize(per_token_loss, mask, inputs)
+        if not self.divides_by_accumulation:
+            return policy_loss, policy_loss
+        return policy_loss / inputs.gradient_accumulation_steps, policy_loss
+
     # ---- the pipeline ---------------------------------------------------------------------------
     def __call__(self, inputs: LossInputs) -> LossOutput:
         """Compute the micro-step loss and metrics (spec §3.1 order of operations)."""
@@ -210,9 +220,8 @@ class PolicyLoss:
             per_token = per_token + self.beta * kl
 
         # 9. Aggregate.
-        policy_loss = self.normalize(per_token, mask, inputs)
+        loss, policy_loss = self.aggregate(per_token, mask, inputs)
         accumulation = inputs.gradient_accumulation_steps
-        loss = policy_loss / accumulation if self.divides_by_accumulation else policy_loss
 
         # 10. Entropy bonus: per-token mean entropy of the micro-batch for every loss type.
         if inputs.entropy_coef != 0.0:

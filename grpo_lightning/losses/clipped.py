@@ -6,6 +6,8 @@ They share ``L = −min(c1·A, clamp(c1, 1−ε_lo, 1+ε_hi)·A)`` (with ``c1`` 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from grpo_lightning.losses.base import PolicyLoss, check_number
@@ -72,10 +74,26 @@ class GRPOLoss(ClippedPolicyLoss):
         return sequence_mean(per_token_loss, mask, inputs.batch_rows)
 
 
-class BNPOLoss(ClippedPolicyLoss):
-    """BNPO: clipped surrogate averaged over the micro-batch's active tokens.
+BNPO_NORMALIZERS = ("step", "micro_batch")
 
-    Returned loss: ``Σ L m / max(Σ m, 1) / GA`` (local micro-batch tokens).
+
+class BNPOLoss(ClippedPolicyLoss):
+    """BNPO: clipped surrogate averaged over the active tokens of a batch.
+
+    Returned loss, by ``normalizer``:
+
+    * ``"step"`` (default): ``Σ L m / (max(N, 1) / P)``, not divided by ``GA``, with ``N`` =
+      ``num_items_in_batch`` (active tokens of everything one optimizer step consumes, all
+      ranks): the token mean over the optimizer step, so the step's gradient is the same however
+      the batch is split into accumulation steps and ranks. This is dapo's normaliser. When ``N``
+      is not given (``None``) it falls back to ``"micro_batch"``, TRL's formula.
+    * ``"micro_batch"``: ``Σ L m / max(Σ m, 1) / GA`` over the local micro-batch's tokens, as
+      TRL 1.16. The step's gradient is then a mean of per-micro-batch token means (on each
+      rank, then averaged over ranks), which changes when the split changes (docs/losses.md,
+      deviation 11).
+
+    Both equal TRL's on one process with one micro-batch per optimizer step. The ``policy_loss``
+    metric is the loss before the ``/GA`` (``"step"``: ``GA`` times the returned loss).
 
     Args:
         epsilon: Lower clipping range ``ε_lo``.
@@ -85,9 +103,42 @@ class BNPOLoss(ClippedPolicyLoss):
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         use_bias_correction_kl: Multiply the KL term by the importance ratio.
         off_policy_mask_threshold: Off-policy sequence-mask threshold; ``None`` disables.
+        normalizer: ``"step"`` (tokens of the optimizer step, all ranks: layout-invariant) or
+            ``"micro_batch"`` (tokens of the local micro-batch: TRL 1.16's bnpo).
     """
 
     name = "bnpo"
+
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        beta: float = 0.0,
+        importance_sampling_level: str = "token",
+        use_bias_correction_kl: bool = True,
+        off_policy_mask_threshold: float | None = None,
+        normalizer: Literal["step", "micro_batch"] = "step",
+    ) -> None:
+        super().__init__(
+            epsilon, epsilon_high, delta, beta, importance_sampling_level, use_bias_correction_kl,
+            off_policy_mask_threshold,
+        )
+        if normalizer not in BNPO_NORMALIZERS:
+            raise ValueError(
+                f"normalizer={normalizer!r} is not valid for the 'bnpo' loss. Choose one of "
+                f"{list(BNPO_NORMALIZERS)}: 'step' (tokens of the optimizer step on all ranks) or "
+                "'micro_batch' (tokens of the local micro-batch, TRL 1.16)."
+            )
+        self.normalizer = normalizer
+
+    def aggregate(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.normalizer == "micro_batch" or inputs.num_items_in_batch is None:
+            return super().aggregate(per_token_loss, mask, inputs)
+        loss = global_token_mean(per_token_loss, mask, inputs.num_items_in_batch, inputs.num_processes)
+        return loss, loss * inputs.gradient_accumulation_steps
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         return token_mean(per_token_loss, mask, inputs.batch_loss_tokens)

@@ -29,7 +29,7 @@ def sequence_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, num_rows: in
 def token_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``Σ L m / max(Σ m, 1)`` over the local micro-batch (bnpo).
+    """``Σ L m / max(Σ m, 1)`` over the local micro-batch (bnpo ``normalizer="micro_batch"``, TRL 1.16).
 
     >>> token_mean(torch.tensor([[1.0, 3.0], [4.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
     tensor(2.6667)
@@ -57,7 +57,7 @@ def global_token_mean(
     num_processes: int,
     num_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Σ L m / (max(N, 1) / P)`` (dapo, cispo, vespo).
+    """``Σ L m / (max(N, 1) / P)`` (dapo, cispo, vespo; bnpo ``normalizer="step"``).
 
     ``N`` is the active-token count of everything one optimizer step consumes, on all ranks; each
     rank's loss is scaled so that DDP's gradient average over ``P`` ranks and the sum over

@@ -17,8 +17,8 @@ class MicroBatchTotals:
     """Counts of a whole micro-batch, for a loss computed on one part of it.
 
     A token-budget training pass scores a micro-batch in parts (one forward+backward each); the
-    per-micro-batch normalisers (rows for grpo/sapo/luspo/dr_grpo, loss tokens for bnpo and the
-    entropy bonus) then use these counts instead of the part's, so that the parts' losses, and
+    per-micro-batch normalisers (rows for grpo/sapo/luspo/dr_grpo, loss tokens for bnpo's
+    ``micro_batch`` normaliser and the entropy bonus) then use these counts instead of the part's, so that the parts' losses, and
     their gradients, sum exactly to the micro-batch's.
 
     Attributes:
@@ -62,7 +62,7 @@ class LossInputs:
         entropies: ``(B, T)`` per-token entropies; needed for the entropy bonus and the
             ``entropy`` metric.
         num_items_in_batch: Active-token count, all ranks, of the batch one optimizer step
-            consumes: the dapo/cispo/vespo normaliser. ``None`` uses this micro-batch's count.
+            consumes: the dapo/cispo/vespo/bnpo normaliser. ``None`` uses this micro-batch's count.
         max_completion_length: The dr_grpo normaliser constant when the loss object has none.
         num_processes: ``P``, data-parallel ranks (for the dapo/cispo/vespo normaliser).
         gradient_accumulation_steps: ``GA_eff``: micro-steps per optimizer step (1 in eval).

@@ -73,15 +73,20 @@ def _run(loss, fields: dict, rows: torch.Tensor, totals: MicroBatchTotals | None
     return out, logps.grad, entropy_grad
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSSES))
+# bnpo's two normalisers: the optimizer step's tokens (default) and TRL's micro-batch tokens.
+LOSS_TYPES = sorted(LOSSES) + ["bnpo:micro_batch"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(c) or "default")
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_parts_sum_to_the_micro_batch(loss_type: str, config: dict, entropy_coef: float):
     if loss_type == "vespo" and config.get("importance_sampling_level") == "sequence":
         pytest.skip("vespo expects token-level ratios")
+    loss_type, _, normalizer = loss_type.partition(":")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # advice about ratio levels, not what this test checks
-        loss = get_loss(loss_type, **config)
+        loss = get_loss(loss_type, **config, **({"normalizer": normalizer} if normalizer else {}))
     fields = _inputs(seed=len(loss_type), entropy_coef=entropy_coef)
     whole, whole_grad, whole_entropy_grad = _run(loss, fields, torch.arange(B), None)
 
