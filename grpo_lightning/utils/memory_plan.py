@@ -253,10 +253,11 @@ def _head_transient(shape: ModelShape, s: MemorySettings, completion_tokens: int
     chunk's logits and ``exp(z − max)``, in backward the recomputed logits and ``∂/∂logits`` built
     from them (a third, ``coef``, when the entropy bonus needs its gradient) — plus, in backward,
     the ``(V, h)`` fp32 product ``gradᵀ·h`` added into the head's gradient per chunk. Independent
-    of the batch. Plain path (TRL's): the
-    model's ``(B, Tc+1, V)`` logits in the matmul dtype, the fp32 per-8-row copies log-softmax
-    saves for backward (all of them, under grad) and in backward the fp32 gradient of the logits;
-    without grad only one 8-row fp32 chunk lives at a time.
+    of the batch. Plain path (TRL's, ``algo/logprobs.py``): under grad, 4 fp32 ``(B, Tc, V)``
+    tensors at the start of backward — the fp32 copy log-softmax saved, and the gradient as it
+    passes log-sum-exp, the temperature division and the slice out of the model's
+    ``(B, Tc+1, V)`` logits (slice backward materialises a full-size zero tensor), each a new
+    tensor; without grad the model's logits (matmul dtype) and one fp32 8-row chunk.
     """
     V = shape.vocab_size
     if s.chunked_lm_head:
@@ -265,11 +266,9 @@ def _head_transient(shape: ModelShape, s: MemorySettings, completion_tokens: int
         product = V * shape.hidden_size * 4 if grad else 0
         return copies * chunk * V * 4 + product, f"{copies} x {chunk} tokens x {V} vocab x 4 B" + (" + V x h x 4 B" if grad else "")
     if grad:
-        per = s.compute_bytes + 4 + 4
-        return completion_tokens * V * per, f"{completion_tokens} tokens x {V} vocab x ({s.compute_bytes}+4+4) B"
-    tc1 = completion_tokens // max(rows, 1)
-    kept = min(rows, 8) * tc1 * V * 4 * 2
-    return completion_tokens * V * s.compute_bytes + kept, f"{completion_tokens} x {V} x {s.compute_bytes} B + 2 fp32 8-row chunks"
+        return completion_tokens * V * 16, f"4 x {completion_tokens} tokens x {V} vocab x 4 B"
+    kept = min(rows, 8) * (completion_tokens // max(rows, 1)) * V * 4
+    return completion_tokens * V * s.compute_bytes + kept, f"{completion_tokens} x {V} x {s.compute_bytes} B + an fp32 8-row chunk"
 
 
 def estimate_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
