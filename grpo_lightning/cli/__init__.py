@@ -135,6 +135,12 @@ class GRPOLightningCLI(LightningCLI):
                  "training fails. Resume with --ckpt_path last.",
         )
         parser.add_argument(
+            "--memory_plan", type=bool, default=True,
+            help="Before the first step, estimate and print the peak memory per device (weights, gradients, optimizer "
+                 "state, activations, logits, KV cache / vLLM share) and warn, naming the setting to change, when it "
+                 "exceeds the device (grpo_lightning.callbacks.MemoryPlanner, docs/memory.md).",
+        )
+        parser.add_argument(
             "--keep_checkpoints", type=int, default=2,
             help="How many of the newest periodic checkpoints the default checkpointing keeps (last.ckpt links to "
                  "the newest).",
@@ -165,8 +171,15 @@ class GRPOLightningCLI(LightningCLI):
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        """Checkpoints in the run folder (``cli.checkpoints``) unless checkpointing is off."""
+        """The memory plan (unless ``--memory_plan false``) and checkpoints in the run folder
+        (``cli.checkpoints``) unless checkpointing is off."""
         run = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit" and run.get("memory_plan", True):
+            from grpo_lightning.callbacks import MemoryPlanner
+
+            configured = list(config.get("callbacks") or [])
+            if not any(isinstance(c, MemoryPlanner) for c in configured):
+                config["callbacks"] = [*configured, MemoryPlanner()]
         if self.subcommand == "fit" and config.get("enable_checkpointing") is not False:
             root = config.get("default_root_dir") or os.getcwd()
             configured = list(config.get("callbacks") or [])

@@ -19,6 +19,8 @@ import os
 import zipfile
 from typing import Any
 
+import lightning.pytorch as pl
+
 from grpo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def checkpoint_dir(root_dir: str) -> str:
 def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
     """A ``ModelCheckpoint`` keeping the ``keep`` newest of its every-``every_n_steps`` checkpoints
     (``last.ckpt`` links to the newest), and an ``OnExceptionCheckpoint``, both in the run's folder."""
-    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     if every_n_steps < 1 or keep < 1:
         raise ConfigError(f"checkpoint_every_n_steps={every_n_steps}, keep_checkpoints={keep}: both must be >= 1 "
@@ -44,7 +46,26 @@ def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[An
     periodic = ModelCheckpoint(dirpath=folder, filename="step={step:07d}", auto_insert_metric_name=False,
                                every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
                                save_last="link")
-    return [periodic, OnExceptionCheckpoint(dirpath=folder, filename=EXCEPTION_CHECKPOINT)]
+    return [periodic, CheckpointOnException(os.path.join(folder, EXCEPTION_CHECKPOINT + ".ckpt"))]
+
+
+class CheckpointOnException(pl.Callback):
+    """Writes a checkpoint when training fails with an exception (single-process runs).
+
+    Not Lightning's ``OnExceptionCheckpoint``: its presence makes every ``fit`` without a
+    ``ckpt_path`` resume silently from the newest checkpoint; here resuming is always asked for
+    (``--ckpt_path last``). Under several processes nothing is written: a checkpoint needs every
+    rank, and a failing rank cannot count on the others (the periodic checkpoints cover them).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.world_size > 1 or trainer.global_step == 0:
+            return
+        log.warning("Training failed (%s); writing %s", type(exception).__name__, self.path)
+        trainer.save_checkpoint(self.path)
 
 
 def place_checkpoints(callbacks: list[Any], root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
@@ -76,7 +97,7 @@ def _candidates(folder: str) -> list[str]:
     if not os.path.isdir(folder):
         return []
     paths = [os.path.join(folder, name) for name in os.listdir(folder)
-             if (name.endswith(".ckpt") and name != "last.ckpt") or os.path.isdir(os.path.join(folder, name))]
+             if name != "last.ckpt" and (name.endswith(".ckpt") or os.path.isdir(os.path.join(folder, name)))]
     return sorted(paths, key=lambda p: os.path.getmtime(p), reverse=True)
 
 
@@ -144,6 +165,6 @@ def read_run_record(root_dir: str) -> dict[str, str] | None:
 
 
 __all__ = [
-    "CHECKPOINT_DIR", "checkpoint_dir", "default_checkpoints", "forget_previous_run", "is_complete", "place_checkpoints", "read_run_record",
+    "CHECKPOINT_DIR", "CheckpointOnException", "checkpoint_dir", "default_checkpoints", "forget_previous_run", "is_complete", "place_checkpoints", "read_run_record",
     "resolve_ckpt_path", "write_run_record",
 ]

@@ -10,10 +10,10 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from grpo_lightning.cli.checkpoints import (
-    checkpoint_dir, is_complete, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
+    CheckpointOnException, checkpoint_dir, is_complete, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
 )
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.errors import ConfigError
@@ -31,8 +31,8 @@ def _save(path, step):
 def test_defaults_are_added_only_when_no_checkpoint_is_configured(tmp_path):
     added = place_checkpoints([], str(tmp_path), every_n_steps=7, keep=3)
     periodic, on_exception = added
-    assert isinstance(periodic, ModelCheckpoint) and isinstance(on_exception, OnExceptionCheckpoint)
-    assert periodic.dirpath == checkpoint_dir(str(tmp_path)) == on_exception.dirpath
+    assert isinstance(periodic, ModelCheckpoint) and isinstance(on_exception, CheckpointOnException)
+    assert periodic.dirpath == checkpoint_dir(str(tmp_path)) == os.path.dirname(on_exception.path)
     assert (periodic._every_n_train_steps, periodic.save_top_k, periodic.monitor, periodic.save_last) == (7, 3, "step", "link")
     mine = ModelCheckpoint(every_n_train_steps=1)
     elsewhere = ModelCheckpoint(dirpath=str(tmp_path / "mine"))
@@ -97,3 +97,24 @@ def test_a_resume_under_another_data_plan_is_refused_by_name(tmp_path):
     _fit(tmp_path, 1)
     with pytest.raises(ConfigError, match=r"per_device_train_batch_size: 8 in the checkpoint, 4 now.*original settings"):
         _fit(tmp_path, 2, per_device_train_batch_size=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
+
+
+def test_a_failing_run_leaves_a_checkpoint_that_last_resumes(tmp_path):
+    """The exception checkpoint is written at the failure and is what ``--ckpt_path last`` picks."""
+
+    class Boom(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                raise RuntimeError("out of memory (simulated)")
+
+    callbacks = place_checkpoints([Boom()], str(tmp_path), every_n_steps=10, keep=2)
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, default_root_dir=str(tmp_path))
+    module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, save_final_model=False)
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=8, generation=GenerationParams(max_completion_length=4))
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.fit(module, data)
+    written = os.path.join(checkpoint_dir(str(tmp_path)), "on_exception.ckpt")
+    assert resolve_ckpt_path("last", str(tmp_path)) == written
+    assert torch.load(written, weights_only=False)["global_step"] == 2
