@@ -10,6 +10,8 @@
 #   paths  forward paths (plain / chunked / packed / shared, token budgets, LM-head chunk sizes)
 #          on the Qwen2.5-0.5B shape: answers the open GPU questions of docs/benchmarks.md
 #   bench  ours vs TRL GRPOTrainer end to end (Qwen2.5-0.5B architecture, bf16, 256 tokens)
+#   memory the memory plan's estimate against torch.cuda.max_memory_allocated of real steps
+#          (benchmarks/memory_plan_check.py --device cuda; docs/memory.md)
 #   vllm   both vLLM modes on the GPU (scripts/vllm_modes.py): colocated engine and a `vllm serve`
 #          subprocess with the NCCL weight transfer, real verified pushes, completion tokens/s per
 #          mode; needs vLLM on the machine (the H200 image has none and a CUDA vLLM wheel with its
@@ -20,7 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-smoke,paths,bench,vllm}
+SECTIONS=${SECTIONS:-smoke,paths,bench,memory,vllm}
 OUT_DIR=${BENCH_OUT_DIR:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
@@ -58,6 +60,11 @@ if [[ ,$SECTIONS, == *,bench,* ]]; then
     export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets  # the Qwen2.5 tokenizer copied by gpu_wheels.sh
   fi
   PYTHONUNBUFFERED=1 $PY benchmarks/compare_trl.py --device cuda --sizes qwen0.5b --out-dir "$OUT_DIR" ${BENCH_ARGS:-}
+fi
+
+if [[ ,$SECTIONS, == *,memory,* ]]; then
+  echo "== memory plan vs measured peaks on CUDA (writes memory_plan_cuda.md)"
+  PYTHONUNBUFFERED=1 $PY benchmarks/memory_plan_check.py --device cuda --threads 4 --out "$OUT_DIR/memory_plan_cuda.md" || echo "MEMORY CHECK FAILED"
 fi
 
 if [[ ,$SECTIONS, == *,vllm,* ]]; then
