@@ -132,7 +132,9 @@ def test_help_is_short_and_lists_no_module_subclasses(capsys):
     assert "torch.nn.Linear" not in out and "known subclasses: torch.nn" not in out
     model_help = out[out.index("  --model.model MODEL"):out.index("  --model.tokenizer")]
     assert len(model_help.splitlines()) <= 4, model_help
-    assert len(out.splitlines()) < 1000  # Lightning's own options are most of it
+    # Lightning's own options are most of it (~950 lines alone); its "known subclasses" lists also
+    # name every Callback/Logger subclass the process has imported, e.g. the test suite's own.
+    assert len(out.splitlines()) < 1200
     assert "GRPO_DEBUG=1" in out and "--overwrite_run_dir" in out  # the epilog and the run-folder switch
 
 
