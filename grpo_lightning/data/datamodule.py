@@ -13,15 +13,16 @@ from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader
 
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
-from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream
-from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream
+from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, isolated_rng
+from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
+from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
-    batch_from_state, batch_state, check_same_plan, dataset_digest, restore_rng, rng_snapshot,
+    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan,
 )
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
-from grpo_lightning.data.run_summary import AGGREGATIONS, SCALE_CHOICES, check_sizes, check_training_length, run_summary
+from grpo_lightning.data.run_summary import check_data_settings, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.data.weight_sync import WeightSync
 from grpo_lightning.rewards.loading import resolve_reward_funcs
@@ -146,17 +147,8 @@ class RolloutDataModule(pl.LightningDataModule):
         per_device_eval_batch_size: int = 8,
     ) -> None:
         super().__init__()
-        if not reward_funcs:
-            raise ValueError("data.reward_funcs is empty: give at least one reward function.")
-        if num_iterations < 1:
-            raise ValueError(f"data.num_iterations={num_iterations}: it must be >= 1.")
-        if isinstance(scale_rewards, str) and scale_rewards not in SCALE_CHOICES:
-            raise ValueError(f"data.scale_rewards={scale_rewards!r}: use one of {SCALE_CHOICES} (or true/false).")
-        if multi_objective_aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"data.multi_objective_aggregation={multi_objective_aggregation!r}: use one of {AGGREGATIONS}."
-            )
         # World-size-independent checks now, before any model work (the full plan in setup()).
+        check_data_settings(reward_funcs, num_iterations, scale_rewards, multi_objective_aggregation)
         check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)
         self.rewards = RewardRunner(
             resolve_reward_funcs(
@@ -187,19 +179,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.multi_objective_aggregation = multi_objective_aggregation
         self.mask_truncated_completions = mask_truncated_completions
         self.num_generations_eval = num_generations_eval or num_generations
-        evaluates = bool(eval_dataset)
-        if evaluates and (self.num_generations_eval < 1 or per_device_eval_batch_size % self.num_generations_eval):
-            raise ValueError(
-                f"data.per_device_eval_batch_size={per_device_eval_batch_size} is not a multiple of "
-                f"data.num_generations_eval={self.num_generations_eval}: each validation step scores whole groups."
-            )
         self.per_device_eval_batch_size = per_device_eval_batch_size
-        sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
-        self.eval_sources = {
-            name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column,
-                       prompt_template=prompt_template)
-            for name, source in sets.items()
-        }
+        self.eval_sources = eval_sources(eval_dataset, dataset_config, eval_split, prompt_column, prompt_template,
+                                         per_device_eval_batch_size, self.num_generations_eval)
         # Loaded now, with the reward functions' signatures checked against them: a bad dataset
         # fails here, before the model loads and before a logger creates a run.
         self.train_dataset, self.eval_datasets = load_prompt_sets(
@@ -258,13 +240,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 "the last optimizer step of each epoch accumulates fewer micro-batches.",
                 self.schedule.steps_per_epoch, trainer.accumulate_grad_batches,
             )
-        self.run_plan = dict(
-            dataset_rows=len(self.train_dataset), dataset_digest=dataset_digest(self.train_dataset["prompt"]),
-            num_generations=self.num_generations, generation_batch_size=plan.generation_batch_size,
-            steps_per_generation=plan.steps_per_generation, per_device_train_batch_size=self.per_device_train_batch_size,
-            num_iterations=self.num_iterations, accumulate_grad_batches=trainer.accumulate_grad_batches,
-            world_size=trainer.world_size, shuffle_dataset=self.shuffle_dataset,
-        )
+        self.run_plan = run_plan(self.train_dataset["prompt"], self.num_generations, plan,
+                                 self.per_device_train_batch_size, self.num_iterations,
+                                 trainer.accumulate_grad_batches, trainer.world_size, self.shuffle_dataset)
         settings = self._settings(self.num_generations, plan, trainer.accumulate_grad_batches, self.num_iterations)
         if trainer.is_global_zero:
             log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
@@ -340,8 +318,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def micro_batch(self, ref: MicroStepRef) -> RolloutBatch:
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
-        if self._resume_rank_state is not None:
-            self._apply_resume_state()
+        if self._resume_rank_state is not None:  # the first generation after a resume
+            state, self._resume_rank_state = self._resume_rank_state, None
+            self._buffer_key, self._buffer = restore_rank_state(state, self.trainer.strategy.root_device)
         key = (ref.epoch, ref.generation)
         fresh = key != self._buffer_key
         if fresh:
@@ -351,20 +330,10 @@ class RolloutDataModule(pl.LightningDataModule):
         if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
-        return self._with_accumulation_window(batch, ref)
-
-    def _with_accumulation_window(self, batch: RolloutBatch, ref: MicroStepRef) -> RolloutBatch:
-        """Stamp the number of micro-steps in ``ref``'s optimizer step. Lightning steps the
-        optimizer at an epoch's end, so the last window of an epoch may be short: its per-step
-        normalisers (the accumulation divisor, the global token count) must count only the
-        micro-steps it has."""
         assert self.schedule is not None
         accumulate = self.trainer.accumulate_grad_batches
-        within = ref.step % self.schedule.steps_per_epoch
-        steps = min(accumulate, self.schedule.steps_per_epoch - (within - within % accumulate))
-        return replace(
-            batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate
-        )
+        steps = window_steps(ref.step, self.schedule.steps_per_epoch, accumulate)
+        return replace(batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate)
 
     def eval_batch(self, ref: EvalRef) -> RolloutBatch:
         """Generate and score one validation step (no buffering, no shuffling)."""
@@ -372,13 +341,10 @@ class RolloutDataModule(pl.LightningDataModule):
         row_ids, counts = ref.rows(self.num_generations_eval)  # repeated prompts keep ranks in step, uncounted
         rows = [self._format_row(dataset[i]) for i in row_ids]
         state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
-        # Evaluation samples from its own RNG stream, seeded by (data seed, step, set, batch): it is
-        # reproducible, and training's stream is the same with or without it (and after a resume).
-        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
-            order_seed = self.prompt_order.seed if self.prompt_order is not None else data_seed(self.seed)
-            torch.manual_seed(shuffle_seed(order_seed, self.trainer.global_rank, self.trainer.global_step,
-                                           10_000 + 1_000 * list(self.eval_datasets).index(ref.name) + ref.step))
+        order_seed = self.prompt_order.seed if self.prompt_order is not None else data_seed(self.seed)
+        set_index = list(self.eval_datasets).index(ref.name)
+        with isolated_rng(shuffle_seed(order_seed, self.trainer.global_rank, self.trainer.global_step,
+                                       10_000 + 1_000 * set_index + ref.step)):  # apart from training's seeds
             built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
         prefix = f"eval_{ref.name}_" if ref.name else "eval_"
         return replace(built.micro_batches[0], metric_prefix=prefix, accumulation_steps=1)
@@ -405,12 +371,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return built.micro_batches
 
     def _format_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        prompt = row["prompt"]
-        if self.prompt_as_chat and isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if self.system_prompt is not None and isinstance(prompt, list) and prompt[0].get("role") != "system":
-            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
-        return {**row, "prompt": prompt}
+        return format_row(row, self.prompt_as_chat, self.system_prompt)
 
     def teardown(self, stage: str) -> None:
         self.sampler.close()
@@ -420,8 +381,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """The prompt position and data plan, and each rank's RNG streams and generation buffer
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
-        mine = {"rng": rng_snapshot(), "buffer_key": self._buffer_key,
-                "buffer": [batch_state(b) for b in self._buffer] if self._buffer_key is not None else []}
+        mine = rank_state(self._buffer_key, self._buffer)
         ranks = self._all_gather_objects(mine) if self.trainer.world_size > 1 else [mine]
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
                 "plan": self.run_plan, "ranks": ranks}
@@ -430,23 +390,9 @@ class RolloutDataModule(pl.LightningDataModule):
         check_same_plan(state_dict.get("plan"), self.run_plan)
         self.micro_steps_done = int(state_dict["micro_steps_done"])
         self.num_tokens = int(state_dict["num_tokens"])
-        saved, order = state_dict.get("seed"), self.prompt_order
-        if saved is not None and order is not None and self.seed is None and saved != order.seed:
-            # The seed came from the global seed, which changed: keep the run's prompt order.
-            log.warning("Resuming with the checkpoint's data seed %d (the global seed is now %d).", saved, order.seed)
-            self.prompt_order = PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved)
+        if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
+            self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))
         self._buffer_key, self._buffer = None, []
         ranks = state_dict.get("ranks")
         self._resume_rank_state = ranks[self.trainer.global_rank] if ranks else None
-
-    def _apply_resume_state(self) -> None:
-        """Right before the first training generation after a resume: the RNG streams as they were
-        when the checkpoint was written, and the partly replayed generation batch, if any."""
-        state, self._resume_rank_state = self._resume_rank_state, None
-        assert state is not None
-        restore_rng(state["rng"])
-        if state.get("buffer_key") is not None:
-            device = self.trainer.strategy.root_device
-            self._buffer_key = tuple(state["buffer_key"])
-            self._buffer = [batch_from_state(b, device) for b in state["buffer"]]
 

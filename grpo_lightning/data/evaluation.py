@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
+import torch
 from torch.utils.data import IterableDataset
 
 
@@ -90,3 +92,29 @@ class EvalStream(IterableDataset):
 
     def __len__(self) -> int:
         return self.plan.num_steps
+
+
+@contextmanager
+def isolated_rng(seed: int) -> Iterator[None]:
+    """Run the block on its own RNG stream, seeded with ``seed``; the caller's stream (CPU and
+    the current CUDA device) is as it was afterwards. Evaluation samples this way: it is
+    reproducible, and training's stream is the same with or without it (and after a resume)."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        yield
+
+
+def eval_sources(eval_dataset: str | dict[str, str] | None, dataset_config: str | None, eval_split: str,
+                 prompt_column: str, prompt_template: str | None, per_device_eval_batch_size: int,
+                 num_generations_eval: int) -> dict[str, dict[str, Any]]:
+    """The evaluation sets by name (``""`` for a single one) as ``load_prompt_sets`` sources;
+    checks that a validation step scores whole groups."""
+    if eval_dataset and (num_generations_eval < 1 or per_device_eval_batch_size % num_generations_eval):
+        raise ValueError(
+            f"data.per_device_eval_batch_size={per_device_eval_batch_size} is not a multiple of "
+            f"data.num_generations_eval={num_generations_eval}: each validation step scores whole groups."
+        )
+    sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
+    return {name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column,
+                       prompt_template=prompt_template) for name, source in sets.items()}

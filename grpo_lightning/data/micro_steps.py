@@ -68,6 +68,19 @@ class MicroStepStream(IterableDataset):
         return self.schedule.steps_per_epoch
 
 
+def window_steps(step: int, steps_per_epoch: int, accumulate: int) -> int:
+    """Micro-steps in the optimizer step that micro-step ``step`` belongs to. Lightning steps the
+    optimizer at an epoch's end, so the last window of an epoch may be short: its per-step
+    normalisers (the accumulation divisor, the global token count) must count only the micro-steps
+    it has.
+
+    >>> [window_steps(s, steps_per_epoch=5, accumulate=2) for s in range(7)]
+    [2, 2, 2, 2, 1, 2, 2]
+    """
+    within = step % steps_per_epoch
+    return min(accumulate, steps_per_epoch - (within - within % accumulate))
+
+
 class DescriptorLoader(DataLoader):
     """The training loader of micro-step descriptors. It draws nothing from the global RNG (it has
     its own generator, where a plain DataLoader draws a seed from the global one at every epoch's

@@ -14,6 +14,21 @@ def _has_chat_template(tokenizer: Any) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
+def format_row(row: dict[str, Any], prompt_as_chat: bool, system_prompt: str | None) -> dict[str, Any]:
+    """``row`` with its prompt as the model will see it: a text prompt wrapped as a user turn when
+    ``prompt_as_chat``, and ``system_prompt`` put first in a conversation that has none.
+
+    >>> format_row({"prompt": "hi", "answer": 1}, True, "be brief")["prompt"]
+    [{'role': 'system', 'content': 'be brief'}, {'role': 'user', 'content': 'hi'}]
+    """
+    prompt = row["prompt"]
+    if prompt_as_chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if system_prompt is not None and isinstance(prompt, list) and prompt[0].get("role") != "system":
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    return {**row, "prompt": prompt}
+
+
 def tokenize_prompt(
     prompt: str | Sequence[Mapping[str, Any]],
     tokenizer: Any,

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import fields
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from grpo_lightning.data.prompt_order import PromptOrder
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 #: Settings that fix which prompts each micro-step trains on; a resume must not change them.
 PLAN_KEYS = (
@@ -59,6 +63,42 @@ def check_same_plan(saved: Mapping[str, Any] | None, current: Mapping[str, Any])
             "(dataset, data.*, trainer.accumulate_grad_batches, devices x num_nodes), or start a new run in another "
             "trainer.default_root_dir (from the checkpoint's weights: model.model=<exported model>)."
         )
+
+
+def run_plan(dataset_prompts: Sequence[Any], num_generations: int, plan: Any, per_device_train_batch_size: int,
+             num_iterations: int, accumulate_grad_batches: int, world_size: int, shuffle_dataset: bool) -> dict[str, Any]:
+    """The settings of :data:`PLAN_KEYS` for a run (``plan``: its ``GenerationPlan``)."""
+    return dict(
+        dataset_rows=len(dataset_prompts), dataset_digest=dataset_digest(dataset_prompts),
+        num_generations=num_generations, generation_batch_size=plan.generation_batch_size,
+        steps_per_generation=plan.steps_per_generation, per_device_train_batch_size=per_device_train_batch_size,
+        num_iterations=num_iterations, accumulate_grad_batches=accumulate_grad_batches, world_size=world_size,
+        shuffle_dataset=shuffle_dataset,
+    )
+
+
+def resumed_prompt_order(order: PromptOrder, saved_seed: int | None) -> PromptOrder:
+    """The prompt order to continue with, when its seed came from the global seed: the
+    checkpoint's, if the global seed changed since (the run's prompt order is kept)."""
+    if saved_seed is None or saved_seed == order.seed:
+        return order
+    log.warning("Resuming with the checkpoint's data seed %d (the global seed is now %d).", saved_seed, order.seed)
+    return PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved_seed)
+
+
+def rank_state(buffer_key: tuple[int, int] | None, buffer: Sequence[RolloutBatch]) -> dict[str, Any]:
+    """This rank's part of a checkpoint: its RNG streams and its generation buffer."""
+    return {"rng": rng_snapshot(), "buffer_key": buffer_key,
+            "buffer": [batch_state(b) for b in buffer] if buffer_key is not None else []}
+
+
+def restore_rank_state(state: Mapping[str, Any], device: torch.device | str
+                       ) -> tuple[tuple[int, int] | None, list[RolloutBatch]]:
+    """Apply a :func:`rank_state`: set the RNG streams, return the buffer key and its rollouts."""
+    restore_rng(state["rng"])
+    if state.get("buffer_key") is None:
+        return None, []
+    return tuple(state["buffer_key"]), [batch_from_state(b, device) for b in state["buffer"]]
 
 
 def rng_snapshot() -> dict[str, Any]:
@@ -109,5 +149,6 @@ def batch_from_state(state: Mapping[str, Any], device: torch.device | str) -> Ro
 
 
 __all__ = [
-    "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "restore_rng", "rng_snapshot",
+    "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
+    "restore_rank_state", "restore_rng", "resumed_prompt_order", "rng_snapshot", "run_plan",
 ]

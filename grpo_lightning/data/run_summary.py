@@ -67,6 +67,19 @@ def check_training_length(max_steps: int | None, max_epochs: int | None) -> None
         )
 
 
+def check_data_settings(reward_funcs: Any, num_iterations: int, scale_rewards: Any,
+                        multi_objective_aggregation: str) -> None:
+    """The datamodule's settings that need no dataset, model or world size."""
+    if not reward_funcs:
+        raise ValueError("data.reward_funcs is empty: give at least one reward function.")
+    if num_iterations < 1:
+        raise ValueError(f"data.num_iterations={num_iterations}: it must be >= 1.")
+    if isinstance(scale_rewards, str) and scale_rewards not in SCALE_CHOICES:
+        raise ValueError(f"data.scale_rewards={scale_rewards!r}: use one of {SCALE_CHOICES} (or true/false).")
+    if multi_objective_aggregation not in AGGREGATIONS:
+        raise ValueError(f"data.multi_objective_aggregation={multi_objective_aggregation!r}: use one of {AGGREGATIONS}.")
+
+
 def check_sizes(
     num_generations: int, per_device_train_batch_size: int, generation_batch_size: int | None, steps_per_generation: int | None
 ) -> None:

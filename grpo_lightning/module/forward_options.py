@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,23 @@ class ForwardOptions:
     def plain(cls) -> "ForwardOptions":
         """The plain path: padded batch, full logits from the model (TRL's forward)."""
         return cls(chunked_lm_head=False, padding_free=False, share_prompt_prefix=False)
+
+    def under_fsdp2(self) -> "ForwardOptions":
+        """These options for a policy sharded with FSDP2: the plain path. The optimized paths run
+        the decoder and the LM head outside the root module's forward, whose hooks gather FSDP2's
+        root group, so the model's own forward is used."""
+        if not (self.chunked_lm_head or self.padding_free):
+            return self
+        log.info("FSDP2: model.forward uses the plain path (full forward, no chunked LM head/packing).")
+        return replace(self, chunked_lm_head=False, padding_free=False, share_prompt_prefix=False)
+
+    def check_strategy(self, strategy: str) -> None:
+        """Refuse what a Lightning strategy (by class name) cannot run."""
+        if self.train_token_budget is not None and "DeepSpeed" in strategy:
+            raise ValueError(
+                "model.forward.train_token_budget backpropagates parts of a micro-batch inside training_step, "
+                f"which {strategy} does not support (it counts one backward per micro-step): set it to null."
+            )
 
 
 # GRPOModule keeps its ``forward`` argument in the checkpoint's hyper-parameters; let

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import os
 import time
@@ -22,16 +20,15 @@ from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, un
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
 from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
 from grpo_lightning.module.model_info import read_model_info
-from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer
+from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer, tokenizer_source
 from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
-from grpo_lightning.module.peft_models import drop_quantization_state, export_peft_policy, reference_scope
+from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, gathered_weights
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
-log = logging.getLogger(__name__)
 
 
 class GRPOModule(pl.LightningModule):
@@ -109,23 +106,13 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
-        if learning_rate <= 0:
-            raise ValueError(f"model.learning_rate={learning_rate}: it must be > 0.")
-        check_optimizer_settings(optimizer, learning_rate, weight_decay)
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
+        check_optimizer_settings(optimizer, learning_rate, weight_decay, warmup_ratio)
         check_model_sources(model, tokenizer)  # before any weights or tokenizer load
         peft_config, quantization_config = check_adapter_settings(
             model, peft_config, quantization_config, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code
         )
         self.loss: PolicyLoss = get_loss(fresh_instance(loss))
-        tokenizer_source = tokenizer or (model if isinstance(model, str) else getattr(model, "name_or_path", None))
-        if not tokenizer_source:
-            raise ValueError(
-                "model.tokenizer is required when model is an instantiated model without a "
-                "name_or_path: give the tokenizer's path."
-            )
-        self._tokenizer = load_tokenizer(tokenizer_source, trust_remote_code=trust_remote_code)
+        self._tokenizer = load_tokenizer(tokenizer_source(model, tokenizer), trust_remote_code=trust_remote_code)
         self.model_info = read_model_info(model, trust_remote_code=trust_remote_code)
         # The weights are built in configure_model (where a strategy can shard them). A model
         # object is held in a tuple until then, so it is not registered as a submodule twice.
@@ -169,13 +156,8 @@ class GRPOModule(pl.LightningModule):
             return
         mesh = data_parallel_mesh(getattr(self, "_device_mesh", None))
         built = build_models(self._model_source[0], self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
-        if mesh is not None and (self.forward_options.chunked_lm_head or self.forward_options.padding_free):
-            # The optimized paths run the decoder and the LM head outside the root module's
-            # forward, whose hooks gather FSDP2's root group: use the model's own forward.
-            log.info("FSDP2: model.forward uses the plain path (full forward, no chunked LM head/packing).")
-            self.forward_options = dataclasses.replace(
-                self.forward_options, chunked_lm_head=False, padding_free=False, share_prompt_prefix=False
-            )
+        if mesh is not None:
+            self.forward_options = self.forward_options.under_fsdp2()
         self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
         self.ref_policy, self._load_base = built.reference, built.load_base
         self._model_source = (None,)  # the policy now holds it
@@ -192,12 +174,7 @@ class GRPOModule(pl.LightningModule):
         return policy
 
     def setup(self, stage: str) -> None:
-        strategy = type(self.trainer.strategy).__name__
-        if self.forward_options.train_token_budget is not None and "DeepSpeed" in strategy:
-            raise ValueError(
-                "model.forward.train_token_budget backpropagates parts of a micro-batch inside training_step, "
-                f"which {strategy} does not support (it counts one backward per micro-step): set it to null."
-            )
+        self.forward_options.check_strategy(type(self.trainer.strategy).__name__)
 
     # ----------------------------------------------------------------- PolicyHandle protocol
     @property
@@ -325,8 +302,7 @@ class GRPOModule(pl.LightningModule):
             return
         for prefix, window in windows.items():
             metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
-            for logger in self.loggers:
-                logger.log_metrics(metrics, step=self.trainer.global_step)
+            self._log_to_loggers(metrics)
             for name, value in metrics.items():  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
                 self.log(name, value, logger=False, prog_bar=name == prefix + "reward")
 
@@ -345,9 +321,10 @@ class GRPOModule(pl.LightningModule):
         if self._metrics:
             self._log_to_loggers()
 
-    def _log_to_loggers(self) -> None:
-        metrics = self._metrics.flush_log()
-        metrics["epoch"] = float(self.current_epoch)
+    def _log_to_loggers(self, metrics: dict[str, float] | None = None) -> None:
+        """``metrics`` (default: the training metrics since the last log, TRL's averaging) to every logger."""
+        if metrics is None:
+            metrics = {**self._metrics.flush_log(), "epoch": float(self.current_epoch)}
         for logger in self.loggers:
             logger.log_metrics(metrics, step=self.trainer.global_step)
 
@@ -414,9 +391,6 @@ class GRPOModule(pl.LightningModule):
         state = full_state_dict(self.policy)
         if self._trainer is not None and not self.trainer.is_global_zero:
             return
-        if self.model_settings.peft_config is not None:
-            return export_peft_policy(self.policy, state, directory, self.tokenizer, self._load_base)
-        self.policy.save_pretrained(directory, state_dict=state)
-        self.tokenizer.save_pretrained(directory)
-        log.info("Final policy saved to %s", directory)
+        export_policy(self.policy, state, directory, self.tokenizer, self._load_base,
+                      is_peft=self.model_settings.peft_config is not None)
 

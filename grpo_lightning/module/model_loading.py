@@ -116,6 +116,15 @@ def load_policy(
     return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
+def tokenizer_source(model: "str | Any", tokenizer: str | None) -> "str | Any":
+    """Where the tokenizer loads from: ``model.tokenizer``, else the model's path or ``name_or_path``."""
+    source = tokenizer or (model if isinstance(model, str) else getattr(model, "name_or_path", None))
+    if not source:
+        raise ValueError("model.tokenizer is required when model is an instantiated model without a "
+                         "name_or_path: give the tokenizer's path.")
+    return source
+
+
 def load_tokenizer(source: "str | Any", *, trust_remote_code: bool = False) -> Any:
     """The tokenizer at ``source`` (a path/id, or a tokenizer object), made ready for batching.
 

@@ -15,12 +15,17 @@ DEFAULT_LEARNING_RATE = 1e-6
 DEFAULT_WEIGHT_DECAY = 0.0
 
 
-def check_optimizer_settings(optimizer: Any, learning_rate: float, weight_decay: float) -> None:
-    """Reject ``model.learning_rate`` / ``model.weight_decay`` set together with ``model.optimizer``.
+def check_optimizer_settings(optimizer: Any, learning_rate: float, weight_decay: float, warmup_ratio: float = 0.0) -> None:
+    """Reject a non-positive learning rate, a warmup ratio outside [0, 1), and
+    ``model.learning_rate`` / ``model.weight_decay`` set together with ``model.optimizer``.
 
     They configure the built-in AdamW only; a configured optimizer takes its own ``lr`` and
     ``weight_decay`` from its ``init_args``, so the values would be silently ignored.
     """
+    if learning_rate <= 0:
+        raise ValueError(f"model.learning_rate={learning_rate}: it must be > 0.")
+    if not 0.0 <= warmup_ratio < 1.0:
+        raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
     if optimizer is None:
         return
     ignored = [

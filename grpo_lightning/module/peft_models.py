@@ -78,6 +78,17 @@ def drop_quantization_state(state_dict: dict[str, Any]) -> None:
         del state_dict[key]
 
 
+def export_policy(policy: torch.nn.Module, state: dict[str, torch.Tensor], directory: str, tokenizer: Any,
+                  load_base: Callable[[], torch.nn.Module] | None, is_peft: bool) -> None:
+    """Save the policy (``state``: its whole state dict) and tokenizer with ``save_pretrained``:
+    a PEFT policy as its merged model plus the adapter (:func:`export_peft_policy`)."""
+    if is_peft:
+        return export_peft_policy(policy, state, directory, tokenizer, load_base)
+    policy.save_pretrained(directory, state_dict=state)
+    tokenizer.save_pretrained(directory)
+    log.info("Final policy saved to %s", directory)
+
+
 def export_peft_policy(
     policy: torch.nn.Module,
     state: dict[str, torch.Tensor],
