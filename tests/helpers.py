@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
@@ -59,3 +60,10 @@ def built(module):
     """``module`` with its models built (``configure_model``), as a Trainer would before fitting."""
     module.configure_model()
     return module
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (free when this returns)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

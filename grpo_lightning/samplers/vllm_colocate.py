@@ -21,7 +21,10 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.samplers.vllm_common import import_vllm, policy_weights, sampling_params
+from grpo_lightning.samplers.hf_common import completion_rollout
+from grpo_lightning.samplers.vllm_common import (
+    distributed_rank_and_world, import_vllm, policy_weights, sampling_params,
+)
 from grpo_lightning.samplers.weight_probe import (
     WeightProbe, WeightSyncError, checksums, coarser_dtype, first_differing_parameter, run_with_deadline,
 )
@@ -131,7 +134,7 @@ class VLLMColocateSampler(Sampler):
         the world size); the engine itself starts at the first push."""
         super().bind(handle)
         import_vllm()
-        world = _world_size()
+        world = distributed_rank_and_world()[1]
         trainer = _trainer(handle)
         if trainer is not None:
             world = trainer.world_size
@@ -182,7 +185,9 @@ class VLLMColocateSampler(Sampler):
             if len(output.outputs) != num_generations:
                 raise RuntimeError(f"vLLM returned {len(output.outputs)} completions for a request of {num_generations}.")
             for completion in output.outputs:
-                rollouts.append(_rollout(prompt, completion, stop, version))
+                ids = list(completion.token_ids)
+                logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, ids)]
+                rollouts.append(completion_rollout(prompt, ids, stop, version, logprobs))
         return rollouts
 
     def close(self) -> None:
@@ -335,26 +340,11 @@ class VLLMColocateSampler(Sampler):
         return [r for g in gathered for r in g], range(start, start + len(rows))
 
 
-def _rollout(prompt: list[int], completion: Any, stop: set[int], version: int | None) -> Rollout:
-    ids = list(completion.token_ids)
-    end = next((i for i, token in enumerate(ids) if token in stop), None)
-    if end is not None:
-        ids = ids[: end + 1]
-    logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, ids)]
-    return Rollout(prompt, ids, ended_on_eos=end is not None, policy_version=version, sampling_logprobs=logprobs)
-
-
 def _trainer(handle: PolicyHandle) -> Any:
     try:
         return getattr(handle, "trainer", None)
     except RuntimeError:  # a LightningModule not attached to a Trainer
         return None
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
 
 
 def _set_launcher_env(rank: int, world_size: int) -> None:

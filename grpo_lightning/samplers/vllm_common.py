@@ -37,6 +37,47 @@ def import_vllm() -> Any:
     return vllm
 
 
+def sampling_fields(
+    params: GenerationParams,
+    eos_token_ids: Sequence[int] = (),
+    structured_outputs_regex: str | None = None,
+    logprobs: int | None = 0,
+) -> dict[str, Any]:
+    """vLLM's sampling fields for our generation settings (TRL's mapping, spec §7.1), as plain
+    values: the keyword arguments of ``SamplingParams`` and the body of a ``/v1/completions``
+    request alike (no vLLM import).
+
+    Args:
+        params: The run's generation settings. ``min_p=None`` becomes 0.0 (disabled), ``top_k=0``
+            disables top-k as in HF and vLLM, ``max_completion_length`` is ``max_tokens``;
+            ``params.generation_kwargs`` override every field.
+        eos_token_ids: Every id that ends a completion (``handle.eos_token_ids``): generation stops
+            on any of them (``stop_token_ids``), not only on the tokenizer's EOS.
+        structured_outputs_regex: Constrain completions to this regex (``structured_outputs:
+            {regex: ...}``); it takes precedence over a ``generation_kwargs["structured_outputs"]``.
+        logprobs: Log-probs returned per sampled token: 0 = the sampled token's only (what the
+            importance-sampling correction needs), ``None`` = none.
+
+    >>> sampling_fields(GenerationParams(max_completion_length=8), eos_token_ids=[2, 2, 1])["stop_token_ids"]
+    [1, 2]
+    """
+    fields: dict[str, Any] = dict(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=0.0 if params.min_p is None else params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_completion_length,
+        logprobs=logprobs,
+    )
+    if eos_token_ids:
+        fields["stop_token_ids"] = sorted(set(int(i) for i in eos_token_ids))
+    fields.update(params.generation_kwargs or {})
+    if structured_outputs_regex is not None:
+        fields["structured_outputs"] = {"regex": structured_outputs_regex}
+    return fields
+
+
 def sampling_params(
     params: GenerationParams,
     eos_token_ids: Sequence[int] = (),
@@ -47,51 +88,29 @@ def sampling_params(
     seed: int | None = None,
     **overrides: Any,
 ) -> Any:
-    """vLLM ``SamplingParams`` for our generation settings (TRL's mapping, spec §7.1).
-
-    Args:
-        params: The run's generation settings. ``min_p=None`` becomes 0.0 (disabled), ``top_k=0``
-            disables top-k as in HF and vLLM, ``max_completion_length`` is ``max_tokens``;
-            ``params.generation_kwargs`` override every field.
-        eos_token_ids: Every id that ends a completion (``handle.eos_token_ids``): generation stops
-            on any of them (``stop_token_ids``), not only on the tokenizer's EOS.
-        structured_outputs_regex: Constrain completions to this regex
-            (``StructuredOutputsParams(regex=...)``); it takes precedence over a
-            ``generation_kwargs["structured_outputs"]`` dict, which is otherwise converted.
-        logprobs: Log-probs returned per sampled token: 0 = the sampled token's only (what the
-            importance-sampling correction needs), ``None`` = none.
-        n: Completions per request.
-        seed: Per-request sampling seed (``None``: the engine's generator).
-        overrides: Any other ``SamplingParams`` field, applied last (e.g. ``prompt_logprobs``).
-    """
+    """vLLM ``SamplingParams`` of :func:`sampling_fields` (same arguments), with ``n`` completions
+    per request, a per-request ``seed`` (``None``: the engine's generator) and ``overrides`` (any
+    other field, e.g. ``prompt_logprobs``) applied last. A ``structured_outputs`` dict becomes
+    ``StructuredOutputsParams``."""
     import_vllm()
     from vllm import SamplingParams
 
-    kwargs: dict[str, Any] = dict(
-        n=n,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=0.0 if params.min_p is None else params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        max_tokens=params.max_completion_length,
-        logprobs=logprobs,
-        seed=seed,
-    )
-    if eos_token_ids:
-        kwargs["stop_token_ids"] = sorted(set(int(i) for i in eos_token_ids))
-    kwargs.update(params.generation_kwargs or {})
-    structured = kwargs.pop("structured_outputs", None)
-    if structured_outputs_regex is not None:
-        structured = {"regex": structured_outputs_regex}
-    if isinstance(structured, dict):
+    kwargs: dict[str, Any] = dict(n=n, seed=seed)
+    kwargs.update(sampling_fields(params, eos_token_ids, structured_outputs_regex, logprobs))
+    if isinstance(kwargs.get("structured_outputs"), dict):
         from vllm.sampling_params import StructuredOutputsParams
 
-        structured = StructuredOutputsParams(**structured)
-    if structured is not None:
-        kwargs["structured_outputs"] = structured
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
     kwargs.update(overrides)
     return SamplingParams(**kwargs)
+
+
+def distributed_rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size of the default process group ((0, 1) without one)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def checkpoint_name(name: str) -> str:
@@ -191,5 +210,6 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
 
 
 __all__ = [
-    "checkpoint_name", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes", "policy_weights", "sampling_params",
+    "checkpoint_name", "distributed_rank_and_world", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes",
+    "policy_weights", "sampling_fields", "sampling_params",
 ]

@@ -17,7 +17,9 @@ import torch
 
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import completion_rollout
-from grpo_lightning.samplers.vllm_common import policy_weight_shapes, policy_weights
+from grpo_lightning.samplers.vllm_common import (
+    distributed_rank_and_world, policy_weight_shapes, policy_weights, sampling_fields,
+)
 from grpo_lightning.samplers.vllm_server_client import VLLMServerClient, VLLMServerError
 from grpo_lightning.samplers.vllm_weight_senders import SENDERS
 from grpo_lightning.samplers.weight_probe import WeightProbe, WeightSyncError, run_with_deadline
@@ -145,18 +147,19 @@ class VLLMServerSampler(Sampler):
         """Rank 0 sends the policy (every rank gathers) and verifies the server serves it; every
         rank then knows the outcome, and all raise together on a failure."""
         self._served_version = None
+        rank, world = distributed_rank_and_world()
         error: str | None = None
-        if _rank() == 0:
+        if rank == 0:
             try:
                 run_with_deadline(lambda: self._push(handle, version), self.sync_timeout_s,
                                   f"vLLM server weight push of policy version {version}")
             except BaseException as err:  # noqa: BLE001 - shared with the other ranks, then raised
                 error = f"{type(err).__name__}: {err}"
-                if _world() == 1:
+                if world == 1:
                     raise
         else:
             self._take_part_in_gathers(handle)
-        if _world() > 1:
+        if world > 1:
             box = [error]
             torch.distributed.broadcast_object_list(box, src=0)
             if box[0] is not None:
@@ -170,7 +173,8 @@ class VLLMServerSampler(Sampler):
             raise ValueError(f"Prompt rows {too_long[:5]} with max_completion_length={params.max_completion_length} exceed "
                              f"the server's max_model_len={self.max_model_len}: start it with a larger --max-model-len.")
         version = self.served_version
-        fields = self._sampling_fields(params, handle.eos_token_ids)
+        fields = {**sampling_fields(params, handle.eos_token_ids, self.structured_outputs_regex),
+                  "skip_special_tokens": False}
         # One request per prompt, each with its own seed: a seed shared by a request's prompts
         # would give similar prompts the same random stream (correlated completions).
         seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
@@ -246,31 +250,6 @@ class VLLMServerSampler(Sampler):
             timeout = self.sync_timeout_s or self.request_timeout_s
             return SENDERS["gloo"](address, self.group_port, timeout, self.chunk_bytes)
         return SENDERS["nccl"](address, self.group_port)
-
-    # ------------------------------------------------------------------ sampling
-    def _sampling_fields(self, params: GenerationParams, eos_token_ids: Sequence[int]) -> dict[str, Any]:
-        """The completion request's sampling fields: TRL's mapping (spec §7.1), stop on every EOS
-        id, ``generation_kwargs`` last (the seed is per request)."""
-        fields: dict[str, Any] = dict(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            min_p=0.0 if params.min_p is None else params.min_p, repetition_penalty=params.repetition_penalty,
-            max_tokens=params.max_completion_length, logprobs=0, stop_token_ids=sorted(set(int(i) for i in eos_token_ids)), skip_special_tokens=False,
-        )
-        fields.update(params.generation_kwargs or {})
-        if self.structured_outputs_regex is not None:
-            fields["structured_outputs"] = {"regex": self.structured_outputs_regex}
-        return fields
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
 
 def _route_address(base_url: str) -> str:
     """This host's address on the route to the server (what the server's workers connect back to)."""

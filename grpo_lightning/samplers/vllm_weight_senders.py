@@ -69,7 +69,7 @@ class GlooSender:
         join()
 
     def send(self, client: VLLMServerClient, shapes: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-             weights: WeightStream, version: str) -> int:
+             weights: WeightStream, version: str) -> None:
         assert self.link is not None, "connect() first"
         metas = [TensorMeta(name, str(dtype).removeprefix("torch."), shape) for name, dtype, shape in shapes]
         client.start_weight_update()
@@ -77,11 +77,10 @@ class GlooSender:
                        "shapes": [list(m.shape) for m in metas]}
         join = _in_thread(lambda: client.update_weights(update_info))
         try:
-            sent = broadcast_chunks(self.link, metas, (tensor for _, tensor in weights()), self.chunk_bytes)
+            broadcast_chunks(self.link, metas, (tensor for _, tensor in weights()), self.chunk_bytes)
         finally:
             join()
         client.finish_weight_update(version)
-        return sent
 
     def close(self) -> None:
         self.link = None
@@ -132,11 +131,10 @@ class NCCLSender:
                                                                    source=self.source)
 
     def send(self, client: VLLMServerClient, shapes: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-             weights: WeightStream, version: str) -> int:
+             weights: WeightStream, version: str) -> None:
         self.source.shapes, self.source.weights = shapes, weights
         self.engine.client.version = version
         self.engine.send_weights()  # start → update ∥ broadcast → finish
-        return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in shapes)
 
     def close(self) -> None:
         if self.engine is not None:

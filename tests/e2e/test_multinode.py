@@ -6,7 +6,6 @@ folder is shared, as on a cluster's shared filesystem."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import free_port, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(tmp_path: Path) -> Path:
@@ -61,7 +54,7 @@ def _check_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_under_torchrun(tmp_path):
-    config, port = _config(tmp_path), _free_port()
+    config, port = _config(tmp_path), free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]
@@ -72,7 +65,7 @@ def test_two_nodes_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_under_slurm(tmp_path):
-    config, port = _config(tmp_path), _free_port()
+    config, port = _config(tmp_path), free_port()
     commands = []
     for rank in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "grpo",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
+
+from tests.helpers import free_port
 import torch
 
 from grpo_lightning.samplers.gloo_wire import (
@@ -22,12 +23,6 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
         ("lm_head.weight", torch.randn(11, 5, generator=g).to(torch.float16)),
         ("steps", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_chunk_plan_keeps_order_and_bounds_every_chunk() -> None:
@@ -56,7 +51,7 @@ def test_pack_unpack_is_bit_exact_for_every_dtype() -> None:
 def test_broadcast_over_a_real_gloo_group_delivers_every_tensor() -> None:
     named = _tensors()
     metas = [TensorMeta.of(n, t) for n, t in named]
-    port, received, errors = _free_port(), [], []
+    port, received, errors = free_port(), [], []
 
     def worker() -> None:
         try:

@@ -4,21 +4,16 @@ tests/vllm/test_vllm_server.py runs the real one)."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+
+from tests.helpers import free_port
 
 from grpo_lightning.samplers import sampler_class
 from grpo_lightning.samplers.vllm_server import VLLMServerSampler
 from grpo_lightning.samplers.vllm_server_client import VLLMServerError
 from grpo_lightning.types import GenerationParams
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # nothing listens there once the socket is closed
 
 
 class ScriptedClient:
@@ -58,7 +53,7 @@ def test_registered_by_name_and_settings_checked():
 
 
 def test_an_unreachable_server_fails_within_its_timeout_naming_the_fix():
-    sampler = VLLMServerSampler(port=_closed_port(), host="127.0.0.1", server_timeout=1.0)
+    sampler = VLLMServerSampler(port=free_port(), host="127.0.0.1", server_timeout=1.0)
     start = time.perf_counter()
     with pytest.raises(VLLMServerError, match=r"was not up within 1 s \(server_timeout.*vllm serve MODEL"):
         sampler.bind(Handle())

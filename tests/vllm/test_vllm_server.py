@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.helpers import free_port
 from tests.vllm.engines import held_open, pushed_module
 
 pytestmark = pytest.mark.skipif(
@@ -27,18 +27,12 @@ pytestmark = pytest.mark.skipif(
 SERVER_START_TIMEOUT_S = 420.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """``http://127.0.0.1:PORT`` of a running server; stopped (its process group killed) afterwards."""
     from grpo_lightning.samplers.vllm_server_client import VLLMServerClient
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
@@ -68,7 +62,7 @@ def server(model_dir, tmp_path_factory):
 def sampler(server):
     from grpo_lightning.samplers.vllm_server import VLLMServerSampler
 
-    with held_open(VLLMServerSampler(base_url=server, weight_transfer_backend="gloo", group_port=_free_port(),
+    with held_open(VLLMServerSampler(base_url=server, weight_transfer_backend="gloo", group_port=free_port(),
                                      sync_timeout_s=60.0, request_timeout_s=120.0)) as sampler:
         yield sampler
     assert sampler.client is None
