@@ -3,6 +3,7 @@
     grpo fit --config configs/quickstart.yaml
     grpo fit --config cfg.yaml --model.learning_rate 1e-5 --trainer.max_steps 100
     grpo fit --config cfg.yaml --print_config
+    grpo plot runs/quickstart            # the run's curves from its MLflow store (cli.plot)
 
 With no logger configured, runs log to MLflow in a sqlite store under the run folder
 (``<trainer.default_root_dir>/mlflow.db``); any Lightning logger can be configured instead.
@@ -247,7 +248,13 @@ def main(args: list[str] | None = None) -> None:
     if debug_enabled():
         os.environ.setdefault("JSONARGPARSE_DEBUG", "true")
     try:
-        run_cli(args)
+        argv = sys.argv[1:] if args is None else list(args)
+        if argv[:1] == ["plot"]:  # not a LightningCLI subcommand
+            from grpo_lightning.cli.plot import plot_main
+
+            plot_main(argv[1:])
+        else:
+            run_cli(args)
     except Exception as error:
         trainer = _current_trainer.get()
         started = trainer is not None and trainer.global_step > 0
