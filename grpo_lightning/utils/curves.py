@@ -30,7 +30,8 @@ DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entropy", ("entropy",)),
     ("clip ratio", ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio")),
     ("completion length", ("completions/mean_length", "completions/min_length", "completions/max_length")),
-    ("eval reward", ("eval_reward", "eval_rewards/*/mean")),
+    # `eval_<set>_reward` per named eval set (docs/evaluation.md); per-function means for the unnamed one.
+    ("eval reward", ("eval_reward", "eval_*_reward", "eval_rewards/*/mean")),
 )
 PANEL_WIDTH_IN, PANEL_HEIGHT_IN = 4.0, 3.0  # inches per panel; the PNG is (cols x rows) panels at `dpi`
 MAX_COLUMNS = 3

@@ -197,6 +197,8 @@ def test_panel_planning_orders_exact_names_then_sorted_globs_each_once():
     assert match_metrics(["reward", "rewards/*/mean", "rewards/a/mean", "absent"], available) == (
         "reward", "rewards/a/mean", "rewards/b/mean")
     assert [p.title for p in plan_panels(available)] == ["reward", "kl"]
+    named_sets = ["eval_math_reward", "eval_gsm8k_reward", "eval_gsm8k_rewards/acc/mean", "eval_gsm8k_reward_std"]
+    assert plan_panels(named_sets)[0].metrics == ("eval_gsm8k_reward", "eval_math_reward")
     assert panels_from_args(["reward, eval_reward", "loss"]) == [
         ("reward, eval_reward", ("reward", "eval_reward")), ("loss", ("loss",))]
 
