@@ -6,6 +6,7 @@ when a sampler keeps its own weights); it is exported here with the other callba
 
 from grpo_lightning.callbacks.completion_logger import CompletionLogger
 from grpo_lightning.callbacks.memory_plan import MemoryPlanner
+from grpo_lightning.callbacks.ref_model_sync import RefModelSync
 from grpo_lightning.data.weight_sync import WeightSync
 
-__all__ = ["CompletionLogger", "MemoryPlanner", "WeightSync"]
+__all__ = ["CompletionLogger", "MemoryPlanner", "RefModelSync", "WeightSync"]
