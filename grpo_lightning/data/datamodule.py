@@ -65,6 +65,7 @@ class RolloutDataModule(pl.LightningDataModule):
             A ``RewardModel`` entry has its own ``model_init_kwargs``.
         reward_trust_remote_code: Allow custom code for reward models given as a path or Hub id
             and their tokenizers (TRL's ``trust_remote_code``, which also covers reward models).
+        reward_timeout_s: Seconds a reward call may take, or ``{name: seconds}``: a late call scores None.
         dataset_config: Configuration name of a hub dataset.
         split: Dataset split to train on.
         data_files: Data files for a hub-style or builder dataset.
@@ -120,6 +121,7 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_processing_classes: list[str | None] | str | None = None,
         reward_model_init_kwargs: dict[str, Any] | None = None,
         reward_trust_remote_code: bool = False,
+        reward_timeout_s: float | dict[str, float | None] | None = None,
         dataset_config: str | None = None,
         split: str = "train",
         data_files: str | list[str] | None = None,
@@ -156,7 +158,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 trust_remote_code=reward_trust_remote_code,
             ),
             reward_weights,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs, timeout_s=reward_timeout_s,
         )
         self.sampler = get_sampler(fresh_instance(sampler))
         self.dataset_source = dict(

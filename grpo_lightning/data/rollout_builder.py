@@ -25,6 +25,7 @@ from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sampling import generate_checked, with_rollout_fields
 from grpo_lightning.data.sources import is_conversational
 from grpo_lightning.rewards.runner import RewardRunner
+from grpo_lightning.rewards.timeouts import gathered_timeout_metrics
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.types import CompletionTable, GenerationParams, PolicyHandle, Rollout, RolloutBatch
 
@@ -309,6 +310,11 @@ class RolloutBuilder:
                     "columns (rewards/%s/frac_none tracks this).", name, name,
                 )
         metrics.update(self._logged_metrics(scores.logged_metrics, device))
+        if any(limit is not None for limit in self.rewards.timeouts):  # rewards/<name>/frac_timeout, all ranks
+            c = self.collective
+            scored = len(rollouts) if counted is None else int(counted.view(c.world_size, -1)[c.rank].sum())
+            metrics.update(gathered_timeout_metrics(scores.timed_out, scored, c.gather_rows, scores.names,
+                                                    self.rewards.timeouts, device))
         local_tokens = batch.prompt_mask.sum() + local_lengths.sum()
         num_tokens = int(self.collective.gather_rows(local_tokens.reshape(1).float()).sum().item())
         return metrics, num_tokens

@@ -11,6 +11,10 @@ from typing import Any, Sequence
 import torch
 
 
+class RewardCallCancelled(RuntimeError):
+    """A reward model call stopped early because it had timed out (its result was discarded)."""
+
+
 class RewardModel:
     """A sequence-classification model (``num_labels=1``) that scores ``prompt + completion``.
 
@@ -21,6 +25,11 @@ class RewardModel:
     ``prompt + completion``; texts are tokenized with ``padding=True, padding_side="right",
     add_special_tokens=False`` and the reward is ``logits[:, 0]`` (the classifier pools the last
     non-pad token), under ``torch.inference_mode()`` with the model in eval mode.
+
+    With a time limit (``data.reward_timeout_s``) the model scores in a worker thread; a call that
+    times out is told so through :meth:`cancel_reward_call` and stops before its next
+    ``batch_size`` chunk (a forward pass already running cannot be interrupted, so with
+    ``batch_size=None`` the whole late forward still runs, on the same device as training).
 
     The model stays where it is until :meth:`to` moves it (the datamodule moves every reward model
     to the training device through ``RewardRunner.to``); inputs follow the model's device.
@@ -81,6 +90,7 @@ class RewardModel:
         _set_pad_token(self.model, self.tokenizer)
         self.name = name or _model_name(model, self.model)
         self.__name__ = self.name  # what callable_name() reads for the metric name
+        self._cancelled = False  # set by cancel_reward_call(), read between chunks
 
     # ------------------------------------------------------------------ device
     @property
@@ -133,13 +143,27 @@ class RewardModel:
 
         Returns:
             One float per text.
+
+        Raises:
+            RewardCallCancelled: When :meth:`cancel_reward_call` was called during the call.
         """
+        self._cancelled = False
+        return self._score_chunks(texts)
+
+    def cancel_reward_call(self) -> None:
+        """Stop the running call before its next chunk (the reward runner calls this when the
+        call ran past ``data.reward_timeout_s``; its result is discarded anyway)."""
+        self._cancelled = True
+
+    def _score_chunks(self, texts: Sequence[str]) -> list[float]:
         self.model.eval()  # cheap, and guards against a caller that switched to train mode
         step = self.batch_size or max(len(texts), 1)
         device = self.device
         rewards: list[float] = []
         with torch.inference_mode():
             for start in range(0, len(texts), step):
+                if self._cancelled:
+                    raise RewardCallCancelled(f"reward model '{self.name}' stopped after {start} of {len(texts)} texts")
                 chunk = list(texts[start : start + step])
                 inputs = self.tokenizer(
                     text=chunk, return_tensors="pt", padding=True, padding_side="right",
@@ -163,7 +187,8 @@ class RewardModel:
         Returns:
             One reward per completion.
         """
-        return self.score_texts(self.texts(prompts, completions))
+        self._cancelled = False
+        return self._score_chunks(self.texts(prompts, completions))
 
     def __repr__(self) -> str:
         return f"RewardModel(name={self.name!r}, model={type(self.model).__name__}, device={self.device})"

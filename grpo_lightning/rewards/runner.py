@@ -5,17 +5,22 @@ Layer L1: pure python/torch, no lightning.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import inspect
 import logging
 import math
-import numbers
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from grpo_lightning.rewards.loading import RewardFunction
+from grpo_lightning.rewards.returns import is_number, to_column
 from grpo_lightning.rewards.reward_model import RewardModel
+from grpo_lightning.rewards.timeouts import (
+    TIMED_OUT, BackgroundCaller, async_deadline, await_with_timeout, resolve_timeouts, timeout_warning,
+)
 from grpo_lightning.utils import async_loop
 
 logger = logging.getLogger(__name__)
@@ -37,23 +42,29 @@ class RewardScores:
         names: The ``F`` reward function names, in column order.
         logged_metrics: Values pushed through ``log_metric(name, value)``, per name, in call order.
         extra_columns: Values pushed through ``log_extra(column, values)`` (completions table only).
+        timed_out: Per function, whether its call ran past its limit (its column is then all NaN
+            and it pushed nothing); empty when no call timed out or nothing was scored.
     """
 
     rewards: torch.Tensor
     names: list[str]
     logged_metrics: dict[str, list[float]] = field(default_factory=dict)
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    timed_out: list[bool] = field(default_factory=list)
 
 
 class RewardRunner:
     """Runs reward functions over a batch of completions: sync ones (and reward models) in order,
-    then async ones concurrently on a background event loop.
+    then async ones concurrently on a background event loop, each within its time limit.
 
     Args:
         funcs: The resolved reward functions (see ``resolve_reward_funcs``).
         weights: One weight per function (``data.reward_weights``); ``None`` means all ones.
         chat_template_kwargs: The run's ``chat_template_kwargs``, used by reward models that have
             none of their own to render conversational prompts.
+        timeout_s: ``data.reward_timeout_s``: seconds a call of each function may take, or
+            ``{name: seconds}`` for some functions; a late call scores ``None`` for its
+            completions (see ``grpo_lightning.rewards.timeouts``). ``None``: no limit.
     """
 
     def __init__(
@@ -62,6 +73,7 @@ class RewardRunner:
         weights: Sequence[float] | None = None,
         *,
         chat_template_kwargs: dict[str, Any] | None = None,
+        timeout_s: float | Mapping[str, float | None] | None = None,
     ):
         if not funcs:
             raise ValueError(
@@ -78,10 +90,15 @@ class RewardRunner:
                 f"reward functions ({', '.join(self.names)}): give exactly one weight per reward "
                 "function, in the same order, or leave data.reward_weights unset (all 1.0)."
             )
-        bad = [w for w in weights if not _is_number(w) or not math.isfinite(float(w))]
+        bad = [w for w in weights if not is_number(w) or not math.isfinite(float(w))]
         if bad:
             raise ValueError(f"data.reward_weights must be finite numbers; got {bad!r}.")
         self._weights = torch.tensor([float(w) for w in weights], dtype=torch.float32)
+        self.timeouts = resolve_timeouts(timeout_s, self.names)
+        self._callers = [
+            BackgroundCaller(f.name, t) if t is not None and not f.is_async else None
+            for f, t in zip(self.funcs, self.timeouts)
+        ]
         for model in self.reward_models:
             if model.chat_template_kwargs is None:
                 model.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -145,26 +162,25 @@ class RewardRunner:
         """
         n = len(prompts)
         kwargs = self._build_kwargs(prompts, completions, completion_ids, columns or {})
-        metrics: dict[str, list[float]] = {}
-        extras: dict[str, list[Any]] = {}
-
-        def log_metric(name: str, value: float) -> None:
-            metrics.setdefault(str(name), []).append(float(value))
-
-        def log_extra(column: str, values: Sequence[Any]) -> None:
-            extras.setdefault(str(column), []).extend(list(values))
-
-        kwargs.update(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
+        kwargs["trainer_state"] = trainer_state
         if environments is not None:
             kwargs["environments"] = environments
-
+        # Each call logs into its own buffers, kept only if it returned in time: a timed-out call
+        # still running in the background can never add metric names after they were gathered.
+        logs = [_CallLog() for _ in self.funcs]
         rewards = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)
-        async_items: list[tuple[int, RewardFunction]] = []
+        timed_out = [False] * len(self.funcs)
+        async_cols: list[int] = []
         for col, rf in enumerate(self.funcs):
             if rf.is_async:
-                async_items.append((col, rf))
+                async_cols.append(col)
                 continue
-            output = _call_with_context(rf, kwargs)
+            call = functools.partial(_call_with_context, rf, logs[col].kwargs(kwargs))
+            caller = self._callers[col]
+            output = call() if caller is None else caller.call(call, n, _cancel_hook(rf.func))
+            if output is TIMED_OUT:
+                timed_out[col] = True
+                continue
             if inspect.isawaitable(output):
                 if inspect.iscoroutine(output):
                     output.close()
@@ -172,23 +188,56 @@ class RewardRunner:
                     f"reward function '{rf.name}' returned an awaitable but is not declared "
                     "`async def`; declare the function (or its __call__) `async def`."
                 )
-            rewards[:, col] = _to_column(rf.name, output, n, is_model=isinstance(rf.func, RewardModel))
+            rewards[:, col] = to_column(rf.name, output, n, is_model=isinstance(rf.func, RewardModel))
+        for col, output in zip(async_cols, self._run_async(async_cols, kwargs, logs, n)):
+            if output is TIMED_OUT:
+                timed_out[col] = True
+            else:
+                rewards[:, col] = to_column(self.funcs[col].name, output, n)
 
-        if async_items:
-
-            async def _one(rf: RewardFunction) -> Any:
-                try:
-                    return await rf.func(**kwargs)
-                except Exception as err:
-                    _add_note(err, rf.name)
-                    raise
-
-            outputs = async_loop.gather(_one(rf) for _, rf in async_items)
-            for (col, rf), output in zip(async_items, outputs):
-                rewards[:, col] = _to_column(rf.name, output, n)
-
+        metrics: dict[str, list[float]] = {}
+        extras: dict[str, list[Any]] = {}
+        for log, late in zip(logs, timed_out):
+            if not late:
+                log.merge_into(metrics, extras)
         self._warn_all_nan(rewards, prompts, completions)
-        return RewardScores(rewards, self.names, metrics, extras)
+        return RewardScores(rewards, self.names, metrics, extras, timed_out if any(timed_out) else [])
+
+    def _run_async(self, cols: list[int], kwargs: dict[str, Any], logs: list["_CallLog"], n: int) -> list[Any]:
+        """Run the async functions ``cols`` concurrently; their outputs (or ``TIMED_OUT``) in order."""
+        if not cols:
+            return []
+
+        async def _one(rf: RewardFunction, call_kwargs: dict[str, Any], limit: float | None) -> Any:
+            try:
+                return await await_with_timeout(lambda: rf.func(**call_kwargs), limit)
+            except Exception as err:
+                _add_note(err, rf.name)
+                raise _AsyncError(err) from err  # a TimeoutError would cross threads as a new object
+
+        futures = [async_loop.submit(_one(self.funcs[c], logs[c].kwargs(kwargs), self.timeouts[c])) for c in cols]
+        deadline = async_deadline([self.timeouts[c] for c in cols])
+        _, pending = concurrent.futures.wait(futures, deadline, return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+        if failed:  # like asyncio.gather: the first error is raised, the other calls are abandoned
+            for future in pending:
+                future.cancel()
+            error = failed[0].exception()
+            raise error.error if isinstance(error, _AsyncError) else error  # type: ignore[misc]
+        outputs = []
+        for col, future in zip(cols, futures):
+            rf, limit = self.funcs[col], self.timeouts[col]
+            if future in pending:  # the event loop is blocked: a coroutine runs blocking code
+                future.cancel()
+                timeout_warning(rf.name, limit or 0.0, n, "The event loop was blocked past the limit (an async "
+                                "reward function runs blocking code without awaiting; use asyncio.to_thread).")
+                outputs.append(TIMED_OUT)
+                continue
+            output = future.result()
+            if output is TIMED_OUT:
+                timeout_warning(rf.name, limit or 0.0, n, "The call was cancelled.")
+            outputs.append(output)
+        return outputs
 
     def _build_kwargs(
         self,
@@ -232,6 +281,44 @@ class RewardRunner:
             )  # fmt: skip
 
 
+class _AsyncError(Exception):
+    """Carries an async reward function's exception out of the event loop unchanged."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _CallLog:
+    """What one reward call pushed through ``log_metric`` and ``log_extra``."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.extras.setdefault(str(column), []).extend(list(values))
+
+    def kwargs(self, shared: dict[str, Any]) -> dict[str, Any]:
+        """The call's keyword arguments: ``shared`` plus this call's ``log_metric``/``log_extra``."""
+        return {**shared, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def merge_into(self, metrics: dict[str, list[float]], extras: dict[str, list[Any]]) -> None:
+        for name, values in self.metrics.items():
+            metrics.setdefault(name, []).extend(values)
+        for column, values in self.extras.items():
+            extras.setdefault(column, []).extend(values)
+
+
+def _cancel_hook(func: Any) -> Any:
+    """The callable's ``cancel_reward_call`` method, told when its call timed out (or ``None``)."""
+    hook = getattr(func, "cancel_reward_call", None)
+    return hook if callable(hook) else None
+
+
 def _call_with_context(rf: RewardFunction, kwargs: dict[str, Any]) -> Any:
     try:
         return rf.func(**kwargs)
@@ -243,76 +330,3 @@ def _call_with_context(rf: RewardFunction, kwargs: dict[str, Any]) -> Any:
 def _add_note(err: BaseException, name: str) -> None:
     if hasattr(err, "add_note"):
         err.add_note(f"(raised by reward function '{name}')")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real)
-
-
-def _to_column(name: str, output: Any, n: int, is_model: bool = False) -> torch.Tensor:
-    """Check one reward function's return value and convert it to a ``(n,)`` float32 column.
-
-    ``None`` becomes NaN ("not applicable"); a NaN or infinite return is an error, never a silent
-    "not applicable" or an infinite advantage.
-    """
-    if isinstance(output, torch.Tensor):
-        if output.dim() != 1:
-            raise ValueError(
-                f"reward function '{name}' returned a tensor of shape {tuple(output.shape)}; "
-                f"it must be 1-D with one value per completion ({n})."
-            )
-        output = output.detach().cpu().tolist()
-    elif type(output).__module__ == "numpy" and hasattr(output, "ndim"):
-        if output.ndim != 1:
-            raise ValueError(
-                f"reward function '{name}' returned an array of shape {output.shape}; "
-                f"it must be 1-D with one value per completion ({n})."
-            )
-        output = output.tolist()
-    elif not isinstance(output, (list, tuple)):
-        raise TypeError(
-            f"reward function '{name}' returned {type(output).__name__}; it must return a list "
-            f"with one float (or None) per completion ({n} completions)."
-        )
-    if len(output) != n:
-        raise ValueError(
-            f"reward function '{name}' returned {len(output)} values for {n} completions; it must "
-            "return exactly one reward (float, or None when not applicable) per completion."
-        )
-    values = []
-    for i, value in enumerate(output):
-        if value is None:
-            values.append(float("nan"))
-        elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-            values.append(float(value.item()))
-        elif isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
-            values.append(float(value))
-        else:
-            raise ValueError(
-                f"reward function '{name}' returned {value!r} ({type(value).__name__}) at index "
-                f"{i}; each reward must be a real number, or None when it does not apply."
-            )
-        if value is not None:
-            _check_finite(name, i, values[-1], is_model)
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def _check_finite(name: str, row: int, value: float, is_model: bool) -> None:
-    """Rewards are kept in float32: NaN, ±inf and values beyond its range are errors."""
-    if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
-        return
-    problem = f"{value!r}" if not math.isfinite(value) else f"{value!r}, beyond the float32 range (±3.4e38)"
-    if is_model:
-        raise ValueError(
-            f"reward model '{name}' scored row {row} as {problem}: its logits are not finite. Check "
-            "the model's weights and dtype (fp16 overflows easily; try model_init_kwargs: {dtype: "
-            "float32} or bfloat16)."
-        )
-    raise ValueError(
-        f"reward function '{name}' returned {problem} for row {row}: rewards must be finite "
-        "numbers. Return None (not NaN) for a completion the reward does not apply to, and clip "
-        "or rescale unbounded scores."
-    )
-
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)

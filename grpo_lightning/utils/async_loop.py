@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import os
 import threading
 from typing import Any, Awaitable, Coroutine, Iterable, TypeVar
@@ -67,14 +68,30 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     Raises:
         RuntimeError: When called from the background loop's own thread (it would deadlock).
     """
+    return submit(coro).result(timeout)
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Schedule one coroutine on the background loop without waiting for it.
+
+    Args:
+        coro: The coroutine to run.
+
+    Returns:
+        A thread-safe future of its result; cancelling the future cancels the coroutine's task.
+
+    Raises:
+        RuntimeError: When called from the background loop's own thread (waiting on the future
+            there would deadlock).
+    """
     loop = get_loop()
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError(
-            "grpo_lightning.utils.async_loop.run() was called from inside the background event "
-            "loop; await the coroutine instead."
+            "grpo_lightning.utils.async_loop was asked to run a coroutine from inside the "
+            "background event loop; await the coroutine instead."
         )
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+    return asyncio.run_coroutine_threadsafe(coro, loop)
 
 
 def gather(coros: Iterable[Awaitable[T]], timeout: float | None = None) -> list[T]:
