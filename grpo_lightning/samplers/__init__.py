@@ -18,6 +18,7 @@ SAMPLERS: dict[str, str] = {
     "fast_generate": "grpo_lightning.samplers.fast_generate.FastGenerateSampler",
     "vllm_colocate": "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler",
     "vllm_server": "grpo_lightning.samplers.vllm_server.VLLMServerSampler",
+    "rollout_func": "grpo_lightning.samplers.rollout_func.RolloutFuncSampler",
 }
 
 
