@@ -1,0 +1,151 @@
+"""Running the tool calls of a batch of rollouts, each with a timeout; a failure is a result.
+
+An unknown tool, arguments that do not fit the signature, an exception and a timeout all become
+an ``{"error": ...}`` tool message that the model reads in its next turn (and count in
+``tools/failure_frequency``); none of them stops training. Order, as in TRL: within a row the
+synchronous calls run one after another in call order, then its ``async def`` calls run
+concurrently; the async calls of all rows of a batch run concurrently with each other.
+
+A synchronous call that overruns its timeout is abandoned, not killed (Python cannot stop a
+thread): its daemon thread may finish later and its result is dropped.
+
+Layer L1: the standard library (and the package's background event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from grpo_lightning.tools.parsers import ToolCall
+from grpo_lightning.tools.toolbox import Tool, Toolbox
+from grpo_lightning.utils import async_loop
+
+
+@dataclass
+class ToolResult:
+    """What one call returned.
+
+    Attributes:
+        call: The call.
+        content: The tool message content: the result as text, or, for a tool returning a list
+            (multimodal content blocks such as ``{"type": "image", "image": ...}``), that list.
+        error: Why the call failed (``None`` when it succeeded).
+    """
+
+    call: ToolCall
+    content: str | list[Any]
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def message(self) -> dict[str, Any]:
+        """The ``{"role": "tool", "name", "content"}`` message appended to the conversation."""
+        return {"role": "tool", "name": self.call.name, "content": self.content}
+
+
+def failure(call: ToolCall, error: str) -> ToolResult:
+    return ToolResult(call, json.dumps({"error": error}), error)
+
+
+def execute_calls(
+    calls: Sequence[Sequence[ToolCall]], toolboxes: Sequence[Toolbox], timeout_s: float | None = 30.0
+) -> list[list[ToolResult]]:
+    """Run every row's calls against that row's tools.
+
+    Args:
+        calls: Per row, the calls of its last turn.
+        toolboxes: Per row, the tools it may call.
+        timeout_s: Seconds one call may take (``None``: no limit).
+
+    Returns:
+        Per row, one :class:`ToolResult` per call, in call order.
+    """
+    results: list[list[ToolResult | None]] = [[None] * len(row) for row in calls]
+    pending: list[tuple[int, int, Tool, dict[str, Any]]] = []
+    for r, (row, toolbox) in enumerate(zip(calls, toolboxes)):
+        for c, call in enumerate(row):
+            tool, problem = _resolve(call, toolbox)
+            if problem is not None:
+                results[r][c] = failure(call, problem)
+            elif tool.is_async:
+                pending.append((r, c, tool, call.arguments))
+            else:
+                results[r][c] = _run_sync(call, tool, timeout_s)
+    if pending:
+        outcomes = async_loop.gather(_run_async(tool, arguments, timeout_s) for _, _, tool, arguments in pending)
+        for (r, c, tool, _), (value, error) in zip(pending, outcomes):
+            call = calls[r][c]
+            results[r][c] = failure(call, error) if error is not None else _success(call, value)
+    return [[result for result in row if result is not None] for row in results]
+
+
+def _resolve(call: ToolCall, toolbox: Toolbox) -> tuple[Tool, None] | tuple[None, str]:
+    if call.type != "function":
+        return None, f"Unsupported tool call type: {call.type}"
+    tool = toolbox.get(call.name)
+    if tool is None:
+        available = ", ".join(toolbox) or "none"
+        return None, f"Tool {call.name} not found (available tools: {available})."
+    try:
+        inspect.signature(tool.func).bind(**call.arguments)
+    except TypeError as err:
+        return None, f"Bad arguments for tool {call.name}: {err}"
+    return tool, None
+
+
+def _success(call: ToolCall, value: Any) -> ToolResult:
+    return ToolResult(call, list(value) if isinstance(value, list) else str(value))
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _run_sync(call: ToolCall, tool: Tool, timeout_s: float | None) -> ToolResult:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = tool.func(**call.arguments)
+        except BaseException as err:  # the tool's error is the model's feedback
+            box["error"] = err
+
+    worker = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return failure(call, f"Tool {call.name} timed out after {timeout_s} s.")
+    if "error" in box:
+        return failure(call, _describe(box["error"]))
+    value = box.get("value")
+    if inspect.isawaitable(value):  # a sync wrapper returning a coroutine
+        value, error = async_loop.run(_run_async_value(value, timeout_s, call.name))
+        return failure(call, error) if error is not None else _success(call, value)
+    return _success(call, value)
+
+
+async def _run_async(tool: Tool, arguments: dict[str, Any], timeout_s: float | None) -> tuple[Any, str | None]:
+    try:
+        coroutine = tool.func(**arguments)
+    except Exception as err:
+        return None, _describe(err)
+    return await _run_async_value(coroutine, timeout_s, tool.name)
+
+
+async def _run_async_value(awaitable: Any, timeout_s: float | None, name: str) -> tuple[Any, str | None]:
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s), None
+    except asyncio.TimeoutError:
+        return None, f"Tool {name} timed out after {timeout_s} s."
+    except Exception as err:
+        return None, _describe(err)
+
+
+__all__ = ["ToolResult", "execute_calls", "failure"]

@@ -1,0 +1,180 @@
+"""Chat templates in the tool loop: rendering with tools, the tokens of a tool turn, and the
+prefix-preserving check.
+
+Token in, token out: a multi-turn completion is never re-rendered. After an assistant turn that
+called tools, the loop appends the tokens the chat template puts between that turn's end-of-turn
+token and the next assistant turn (the tool results and the new generation prompt). Those tokens
+are the difference between two renderings of a small probe conversation::
+
+    before = render([user, assistant(tool calls)])                      cut after its last EOS
+    after  = render([user, assistant(tool calls), tool...], add_generation_prompt=True)
+    tool-turn tokens = after[len(before):]
+
+which is only right when ``before`` is a token prefix of ``after``: the template must be
+*prefix-preserving* (appending a tool message does not re-render the earlier turns). Qwen2.5's
+is; Qwen3's is not (the last assistant turn gets an empty ``<think>`` block, an earlier one does
+not), so a fixed training template is used for Qwen3, and any other template that fails the check
+is refused with a clear message.
+
+Layer L1: pure python (the tokenizer is duck-typed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+
+class TemplateError(ValueError):
+    """The chat template cannot drive a tool loop."""
+
+
+_PROBE_USER = {"role": "user", "content": "What is 2 + 3?"}
+
+
+def _probe_assistant(names: Sequence[str]) -> dict[str, Any]:
+    calls = [{"type": "function", "function": {"name": name, "arguments": {}}} for name in names]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+def render_ids(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False, chat_template: str | None = None, **kwargs: Any,
+) -> list[int]:
+    """``apply_chat_template`` as token ids (a final assistant message is continued, as for prompts)."""
+    continue_final = bool(messages) and messages[-1].get("role") == "assistant" and add_generation_prompt
+    options: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt and not continue_final,
+        "continue_final_message": continue_final,
+        "tokenize": True, "return_dict": False, **kwargs,
+    }  # fmt: skip
+    if tools:
+        options["tools"] = list(tools)
+    if chat_template is not None:
+        options["chat_template"] = chat_template
+    ids = tokenizer.apply_chat_template(list(messages), **options)
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return list(ids)
+
+
+def text_only(content: Any) -> Any:
+    """A tool message's content for a text-only model: content blocks become their text parts."""
+    if not isinstance(content, list):
+        return content
+    return "".join(str(block.get("text", "")) for block in content if isinstance(block, dict) and block.get("type") == "text")
+
+
+class ToolTurnTemplate:
+    """Renders tool turns as token ids with one chat template (the model's or a fixed one).
+
+    Args:
+        tokenizer: The policy's tokenizer.
+        eos_token_ids: Every id that ends an assistant turn.
+        chat_template_kwargs: The run's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
+        chat_template: The template to use instead of the tokenizer's (``None``: its own).
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], chat_template_kwargs: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tools", "chat_template")}
+        self.chat_template = chat_template
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+        """A prompt's ids, with ``tools`` in the system part."""
+        return render_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                          chat_template=self.chat_template, **self.kwargs)
+
+    def tool_turn_ids(self, tool_messages: Sequence[Mapping[str, Any]], call_names: Sequence[str]) -> list[int]:
+        """The ids that follow an assistant turn's end-of-turn token for these tool messages, up
+        to and including the next assistant generation prompt.
+
+        Raises:
+            TemplateError: When the template is not prefix-preserving for this exchange.
+        """
+        messages = [{**m, "content": text_only(m.get("content"))} for m in tool_messages]
+        assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
+        before = render_ids(self.tokenizer, [_PROBE_USER, assistant], chat_template=self.chat_template, **self.kwargs)
+        ends = [i for i, token in enumerate(before) if token in self.eos_token_ids]
+        if not ends:
+            raise TemplateError(
+                "the chat template ends an assistant turn with none of the end-of-sequence ids "
+                f"{sorted(self.eos_token_ids)}: the tool loop cannot tell where a turn ends. Use a chat model whose "
+                "template closes assistant turns with its EOS token, or set data.agent.chat_template."
+            )
+        before = before[: ends[-1] + 1]
+        after = render_ids(self.tokenizer, [_PROBE_USER, assistant, *messages], add_generation_prompt=True,
+                           chat_template=self.chat_template, **self.kwargs)
+        if after[: len(before)] != before:
+            raise TemplateError(
+                "the chat template is not prefix-preserving: appending a tool message re-renders the earlier "
+                "turns, so the tokens of a tool turn cannot be appended to what the model generated without "
+                "re-tokenizing the conversation. Known fixes exist for: "
+                f"{', '.join(sorted(TEMPLATE_FIXES))}; for another model give a prefix-preserving template in "
+                "data.agent.chat_template."
+            )
+        return after[len(before):]
+
+    def check(self) -> None:
+        """The start-up check: a one-call and a two-call exchange render prefix-preservingly."""
+        self.tool_turn_ids([{"role": "tool", "name": "probe", "content": "5"}], ["probe"])
+        self.tool_turn_ids(
+            [{"role": "tool", "name": "a", "content": "1"}, {"role": "tool", "name": "b", "content": "2"}], ["a", "b"]
+        )
+
+
+def _fix_qwen3(template: str) -> str | None:
+    """Qwen3: give every assistant turn after the last user query its ``<think>`` block, not
+    only the last one (so a turn renders the same before and after a tool message follows it)."""
+    clause = "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    if clause not in template:
+        return None
+    return template.replace(clause, "{%- if true %}", 1)
+
+
+#: Family -> function from the model's template to its fixed training template (None: not that family).
+TEMPLATE_FIXES: dict[str, Callable[[str], str | None]] = {"qwen3": _fix_qwen3}
+
+
+def training_chat_template(
+    tokenizer: Any, eos_token_ids: Sequence[int], chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> ToolTurnTemplate:
+    """The template the tool loop renders with, checked at start-up.
+
+    ``chat_template`` (``data.agent.chat_template``) is used as given; otherwise the tokenizer's
+    own if it is prefix-preserving, else the first known fix that applies to it and passes.
+
+    Raises:
+        TemplateError: No chat template, or none that is prefix-preserving.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise TemplateError(
+            "tools need a chat template (to describe the tools and render tool results), and this tokenizer has "
+            "none: use a chat/instruct model or set data.agent.chat_template."
+        )
+    candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, chat_template)
+    try:
+        candidate.check()
+        return candidate
+    except TemplateError as err:
+        if chat_template is not None:
+            raise
+        first_error = err
+    for fix in TEMPLATE_FIXES.values():
+        fixed = fix(tokenizer.chat_template)
+        if fixed is None:
+            continue
+        candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, fixed)
+        candidate.check()
+        return candidate
+    raise first_error
+
+
+__all__ = ["TEMPLATE_FIXES", "TemplateError", "ToolTurnTemplate", "render_ids", "text_only", "training_chat_template"]

@@ -1,0 +1,116 @@
+"""Executing tool calls: results in call order, async calls concurrent, every failure (unknown
+tool, bad arguments, exception, timeout) an error message, never a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from grpo_lightning.tools import ToolCall, Toolbox, execute_calls
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    return a * b
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Adds slowly.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    await asyncio.sleep(0.3)
+    return a + b
+
+
+def divide(a: int, b: int) -> float:
+    """Divides.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    return a / b
+
+
+def hang(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+async def async_hang(seconds: float) -> str:
+    """Sleeps asynchronously.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+def picture() -> list:
+    """A picture.
+
+    Returns:
+        Content blocks.
+    """
+    return [{"type": "image", "image": "IMG"}, {"type": "text", "text": "a cat"}]
+
+
+TOOLS = Toolbox.of([multiply, slow_add, divide, hang, async_hang, picture])
+
+
+def error(result) -> str:
+    return json.loads(result.content)["error"]
+
+
+def test_results_in_call_order_and_async_calls_concurrent():
+    calls = [[ToolCall("slow_add", {"a": 1, "b": 2}), ToolCall("multiply", {"a": 3, "b": 4}),
+              ToolCall("slow_add", {"a": 5, "b": 6})], [ToolCall("slow_add", {"a": 0, "b": 1})]]
+    started = time.perf_counter()
+    results = execute_calls(calls, [TOOLS, TOOLS], timeout_s=5)
+    took = time.perf_counter() - started
+    assert [[r.content for r in row] for row in results] == [["3", "12", "11"], ["1"]]
+    assert not any(r.failed for row in results for r in row)
+    assert took < 0.8, f"three 0.3 s async calls took {took:.2f} s: not concurrent"
+    assert results[0][1].message() == {"role": "tool", "name": "multiply", "content": "12"}
+
+
+def test_every_failure_is_a_result():
+    calls = [[ToolCall("nope", {}), ToolCall("multiply", {"a": 1, "c": 2}), ToolCall("divide", {"a": 1, "b": 0}),
+              ToolCall("hang", {"seconds": 3}), ToolCall("async_hang", {"seconds": 3}),
+              ToolCall("multiply", {"a": 2, "b": 2}, type="code")]]
+    started = time.perf_counter()
+    (row,) = execute_calls(calls, [TOOLS], timeout_s=0.2)
+    assert time.perf_counter() - started < 1.5
+    assert all(r.failed for r in row)
+    assert "Tool nope not found" in error(row[0]) and "multiply" in error(row[0])  # the available tools are listed
+    assert error(row[1]).startswith("Bad arguments for tool multiply")
+    assert error(row[2]) == "ZeroDivisionError: division by zero"
+    assert error(row[3]) == "Tool hang timed out after 0.2 s."
+    assert error(row[4]) == "Tool async_hang timed out after 0.2 s."
+    assert error(row[5]) == "Unsupported tool call type: code"
+
+
+def test_content_blocks_are_kept():
+    (row,) = execute_calls([[ToolCall("picture", {})]], [TOOLS])
+    assert row[0].content == [{"type": "image", "image": "IMG"}, {"type": "text", "text": "a cat"}]
+
+
+def test_rows_see_only_their_tools():
+    only_multiply = Toolbox.of([multiply])
+    rows = execute_calls([[ToolCall("divide", {"a": 4, "b": 2})]] * 2, [TOOLS, only_multiply])
+    assert rows[0][0].content == "2.0" and rows[1][0].failed
