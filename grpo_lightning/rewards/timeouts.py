@@ -135,9 +135,12 @@ class BackgroundCaller:
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
         started = time.monotonic()
+        device = _current_cuda_device()
 
         def work() -> None:
             try:
+                if device is not None:  # the current CUDA device is per thread: keep this rank's
+                    torch.cuda.set_device(device)
                 future.set_result(func())
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(err)
@@ -163,6 +166,13 @@ class BackgroundCaller:
         outcome = f"raised {type(error).__name__}: {error}" if error is not None else "returned"
         logger.info("reward function %r %s after %.1f s, past its %g s limit; the result is discarded.",
                     self.name, outcome, time.monotonic() - started, self.timeout_s)
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, if CUDA is in use (a new thread would start on device 0)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
 
 
 async def await_with_timeout(make_call: Callable[[], Awaitable[Any]], timeout_s: float | None) -> Any:

@@ -252,3 +252,18 @@ def test_datamodule_setting_reaches_the_metrics_of_a_run(tmp_path):
     assert "rewards/length_reward/frac_timeout" not in metrics and metrics["frac_reward_none"] == 0.0
     with pytest.raises(ValueError, match="data.reward_timeout_s"):
         RolloutDataModule(write_prompts(tmp_path / "q.jsonl"), reward_funcs=[sleepy], reward_timeout_s=-1.0)
+
+
+def test_the_worker_thread_uses_the_calling_threads_cuda_device(monkeypatch):
+    # Under DDP each rank sets its own current CUDA device, which a new thread would not inherit.
+    set_in = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_in.setdefault(threading.current_thread().name, d))
+
+    def on_device(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    out, _ = _score(RewardRunner(resolve_reward_funcs([on_device]), timeout_s=5))
+    assert out.rewards[:, 0].tolist() == [1.0] * 4 and set_in == {"grpo-reward-on_device": 3}
