@@ -17,7 +17,7 @@ LAYERS = {
     "agents": 3,
     "module": 4, "data": 4,
     "callbacks": 5,
-    "cli": 6,
+    "cli": 6, "trl_compat": 6,
 }  # fmt: skip
 PURE_LAYERS = {"types", "algo", "utils", "errors", "losses", "rewards", "tools"}  # no lightning
 
