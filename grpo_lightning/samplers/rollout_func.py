@@ -219,8 +219,7 @@ class RolloutFuncSampler(Sampler):
             raise ValueError(f"{where} returned logprobs but the sampler has provides_logprobs: false; set it true "
                              "to use them (importance-sampling correction), or return logprobs=None.")
         column = rows.column({"logprobs": value}, "logprobs")
-        out = [rows.floats("logprobs", i, lp, len(completion_ids[i])) for i, lp in enumerate(column)]
-        return out
+        return [rows.floats("logprobs", i, lp, len(completion_ids[i])) for i, lp in enumerate(column)]
 
     @staticmethod
     def _env_mask(value: Any, rows: "_Rows", completion_ids: list[list[int]]) -> list[list[int]] | None:
@@ -319,7 +318,7 @@ class _Rows:
 
 def _as_list(value: Any) -> Any:
     """Lists as they are; tensors, arrays and tuples as lists; anything else unchanged."""
-    if isinstance(value, (torch.Tensor,)) or hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+    if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):  # torch / numpy
         return value.tolist()
     if isinstance(value, tuple):
         return list(value)
