@@ -247,6 +247,10 @@ def main(args: list[str] | None = None) -> None:
     token = _current_trainer.set(None)
     if debug_enabled():
         os.environ.setdefault("JSONARGPARSE_DEBUG", "true")
+    # As `python -m` does: configs may name the user's own code in the working directory
+    # (`class_path: callbacks.StopWhenRewardReached`); the console script alone would not find it.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         argv = sys.argv[1:] if args is None else list(args)
         if argv[:1] == ["plot"]:  # not a LightningCLI subcommand
