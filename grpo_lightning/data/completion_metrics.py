@@ -31,3 +31,24 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[s
         "completions/min_terminated_length": terminated.min().item(),
         "completions/max_terminated_length": terminated.max().item(),
     }
+
+
+def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:
+    """``tools/*`` metrics of agent rollouts.
+
+    Args:
+        calls: ``(N,)`` tool calls per rollout, every rollout on every rank.
+        failures: ``(N,)`` failed calls per rollout (unknown tool, bad arguments, exception, timeout).
+
+    ``tools/call_frequency`` is calls per rollout; ``tools/failure_frequency`` failed calls per
+    call (0 without calls). TRL's test: 3 rollouts, 2 calls, one failed:
+
+    >>> m = tool_metrics(torch.tensor([1, 1, 0]), torch.tensor([0, 1, 0]))
+    >>> round(m["tools/call_frequency"], 4), m["tools/failure_frequency"]
+    (0.6667, 0.5)
+    """
+    total = float(calls.sum())
+    return {
+        "tools/call_frequency": total / max(len(calls), 1),
+        "tools/failure_frequency": float(failures.sum()) / total if total else 0.0,
+    }

@@ -26,6 +26,7 @@ def score_counted_rows(
     completion_ids: Sequence[Sequence[int]],
     columns: dict[str, Sequence[Any]],
     trainer_state: Any = None,
+    environments: Sequence[Any] | None = None,
 ) -> RewardScores:
     """Score only the rows that count; the others get NaN rewards ("not applicable").
 
@@ -35,8 +36,8 @@ def score_counted_rows(
     Args:
         runner: The reward runner.
         counts: Per row, whether it counts; ``None`` = every row counts.
-        prompts, completions, completion_ids, columns, trainer_state: As for
-            :meth:`RewardRunner.score`, one entry per row.
+        prompts, completions, completion_ids, columns, trainer_state, environments: As for
+            :meth:`RewardRunner.score`, one entry per row (``environments``: agents only).
 
     Returns:
         The scores, with a ``(B, F)`` reward matrix covering every row.
@@ -45,7 +46,7 @@ def score_counted_rows(
     if len(keep) == len(prompts):
         return runner.score(
             prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns,
-            trainer_state=trainer_state,
+            trainer_state=trainer_state, environments=environments,
         )
     rewards = torch.full((len(prompts), len(runner.funcs)), float("nan"), dtype=torch.float32)
     if not keep:
@@ -57,6 +58,7 @@ def score_counted_rows(
     scores = runner.score(
         prompts=pick(prompts), completions=pick(completions), completion_ids=pick(completion_ids),
         columns={name: pick(values) for name, values in columns.items()}, trainer_state=trainer_state,
+        environments=None if environments is None else pick(environments),
     )
     rewards[keep] = scores.rewards
     return replace(scores, rewards=rewards)

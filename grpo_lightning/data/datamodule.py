@@ -13,6 +13,7 @@ from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader
 
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
+from grpo_lightning.data.agent_wiring import AgentSettings, wire_agent
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, isolated_rng
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
@@ -50,7 +51,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     Args:
         dataset: A hub-style dataset name, a local ``save_to_disk`` folder, a folder of data
-            files, or a ``.jsonl``/``.json``/``.parquet``/``.csv`` file or glob.
+            files, or a ``.jsonl``/``.json``/``.parquet``/``.csv`` file or glob; unset when ``agent``'s environment makes the prompts.
         reward_funcs: Reward functions: dotted paths (``my_pkg.rewards.fn``), built-in names or
             callables (sync or ``async def``) taking ``prompts, completions, completion_ids``,
             every dataset column, ``trainer_state``, ``log_extra``, ``log_metric``, ``**kwargs``
@@ -92,6 +93,7 @@ class RolloutDataModule(pl.LightningDataModule):
         importance_sampling: Correction for the gap between the sampler's and the trainer's
             log-probs (``enabled``, ``mode``, ``clip_min``, ``clip_max``; TRL's
             ``vllm_importance_sampling_*``), applied when the sampler returns log-probs.
+        agent: Tools and environments (``tools``, ``environment_factory``, ``max_tool_calling_iterations``; docs/agents.md).
         chat_template_kwargs: Extra arguments for ``apply_chat_template`` (e.g.
             ``enable_thinking: false``).
         prompt_as_chat: Wrap plain-text prompts as a user message, so an instruct model's chat
@@ -115,8 +117,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        dataset: str,
-        reward_funcs: list[str | Callable],
+        dataset: str | None = None,
+        reward_funcs: list[str | Callable] | None = None,
         reward_weights: list[float] | None = None,
         reward_processing_classes: list[str | None] | str | None = None,
         reward_model_init_kwargs: dict[str, Any] | None = None,
@@ -137,6 +139,7 @@ class RolloutDataModule(pl.LightningDataModule):
         generation: GenerationParams = GenerationParams(),
         sampler: str | Sampler = lazy_instance(HFGenerateSampler),
         importance_sampling: ImportanceSamplingCorrection = ImportanceSamplingCorrection(),
+        agent: AgentSettings | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_as_chat: bool = False,
         system_prompt: str | None = None,
@@ -149,6 +152,7 @@ class RolloutDataModule(pl.LightningDataModule):
         per_device_eval_batch_size: int = 8,
     ) -> None:
         super().__init__()
+        dataset, reward_funcs, reward_weights, sampler = wire_agent(agent, dataset, reward_funcs, reward_weights, sampler, chat_template_kwargs)
         # World-size-independent checks now, before any model work (the full plan in setup()).
         check_data_settings(reward_funcs, num_iterations, scale_rewards, multi_objective_aggregation)
         check_sizes(num_generations, per_device_train_batch_size, generation_batch_size, steps_per_generation)

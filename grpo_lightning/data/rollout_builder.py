@@ -17,6 +17,7 @@ from grpo_lightning.algo.advantages import AdvantageResult, compute_advantages_w
 from grpo_lightning.algo.importance import (
     ImportanceSamplingCorrection, importance_sampling_weights, sampling_metrics, sampling_stats,
 )
+from grpo_lightning.data.agent_wiring import gathered_tool_metrics, start_agent_batch
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
@@ -134,20 +135,21 @@ class RolloutBuilder:
         """
         started = time.perf_counter()
         s, tokenizer, device = self.settings, self.handle.tokenizer, self.handle.device
+        rows, agent = start_agent_batch(self.sampler, rows)  # agents: each rollout's environment reset, its tools
         prompts = [row["prompt"] for row in rows]
         check_context_length(
             prompts, row_ids, tokenizer, s.chat_template_kwargs, s.params.max_completion_length,
             getattr(self.handle, "max_context_length", None),  # None: the model states no limit
         )
-        rollouts = self._generate(prompts, row_ids)
+        rollouts = self._generate(prompts, row_ids) if agent is None else agent.generate(self.handle, s, row_ids)
         completion_ids = [r.completion_ids for r in rollouts]
         conversational = is_conversational(prompts[0])
-        completions = decode_completions(completion_ids, tokenizer, conversational)
+        completions = decode_completions(completion_ids, tokenizer, conversational) if agent is None else agent.completions()
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         columns = with_rollout_fields(columns, rollouts)
         scores = score_counted_rows(
             self.rewards, counts, prompts=prompts, completions=completions, completion_ids=completion_ids,
-            columns=columns, trainer_state=trainer_state,
+            columns=columns, trainer_state=trainer_state, environments=agent and agent.environments,
         )
 
         # Group statistics need every rank's rewards (a group may straddle two ranks).
@@ -310,6 +312,7 @@ class RolloutBuilder:
                     "columns (rewards/%s/frac_none tracks this).", name, name,
                 )
         metrics.update(self._logged_metrics(scores.logged_metrics, device))
+        metrics.update(gathered_tool_metrics(rollouts, self.collective.gather_rows, counted, device))  # agents: tools/*
         if any(limit is not None for limit in self.rewards.timeouts):  # rewards/<name>/frac_timeout, all ranks
             c = self.collective
             scored = len(rollouts) if counted is None else int(counted.view(c.world_size, -1)[c.rank].sum())

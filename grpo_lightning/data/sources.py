@@ -155,7 +155,8 @@ def load_prompt_dataset(
         path_or_name: One of: a Hub dataset name (``"openai/gsm8k"``); a folder written by
             ``Dataset.save_to_disk``/``DatasetDict.save_to_disk``; a folder of data files; a
             ``.jsonl``/``.json``/``.parquet``/``.csv`` file or glob (builder from the extension);
-            or a packaged builder name (``"json"``, ``"csv"``, ...) together with ``data_files``.
+            or a packaged builder name (``"json"``, ``"csv"``, ...) together with ``data_files``;
+            or an in-memory ``datasets.Dataset`` (from Python).
         name: The dataset configuration name (Hub datasets with several configs).
         split: The split to load. A single file or glob is loaded as this split.
         data_files: Files handed to ``datasets.load_dataset`` as ``data_files``.
@@ -174,7 +175,8 @@ def load_prompt_dataset(
     """
     import datasets
 
-    dataset = _load(str(path_or_name), name, split, data_files, streaming, cache_dir)
+    in_memory = isinstance(path_or_name, (datasets.Dataset, datasets.IterableDataset))  # from Python (or an agent's placeholder)
+    dataset = path_or_name if in_memory else _load(str(path_or_name), name, split, data_files, streaming, cache_dir)
     label = f"'{path_or_name}'" + (f" (config '{name}')" if name else "") + f", split '{split}'"
     columns = dataset.column_names
     if columns is None:  # a stream without declared features: peek at the first row

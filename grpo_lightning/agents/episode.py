@@ -1,0 +1,107 @@
+"""One rollout of the tool loop while it is generated: the ids, the masks, the conversation.
+
+Layer L3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_lightning.tools import AssistantTurn, Toolbox, ToolResult
+from grpo_lightning.types import Rollout
+
+#: ``Rollout.extra`` fields an agent rollout carries (reward functions receive them as columns).
+NUM_TOOL_CALLS, NUM_TOOL_FAILURES, TOOL_IMAGES = "num_tool_calls", "num_tool_failures", "tool_images"
+AGENT_FIELDS = (NUM_TOOL_CALLS, NUM_TOOL_FAILURES, TOOL_IMAGES)
+
+
+@dataclass
+class Episode:
+    """A rollout in progress.
+
+    ``completion_ids`` is everything after the prompt: the generated turns and the tool-turn
+    ids between them, exactly as sampled and as the template renders the tool results (never
+    re-tokenized). ``tool_mask`` is 1 where the policy produced the token, 0 for tool-turn ids.
+
+    Attributes:
+        prompt_ids: The rendered prompt (with its tools).
+        toolbox: The tools this rollout may call.
+        environment: Its environment instance (``None`` without environments).
+        messages: The completion as chat messages: assistant turns (content, tool calls) and
+            tool results, what conversational reward functions receive as ``completions``.
+        ended_on_eos: Whether the last generated turn ended on an end-of-sequence id.
+        iterations: Rounds of tool calls executed.
+        tool_calls, tool_failures: Calls made, and how many failed.
+        images: Images returned by tools (content blocks of type ``image``), in order.
+    """
+
+    prompt_ids: list[int]
+    toolbox: Toolbox
+    environment: Any = None
+    completion_ids: list[int] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    sampling_logprobs: list[float] | None = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    ended_on_eos: bool = False
+    policy_version: int = 0
+    iterations: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    images: list[Any] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    last_turn: AssistantTurn | None = None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The ids the next turn is generated from: prompt and completion so far."""
+        return self.prompt_ids + self.completion_ids
+
+    def add_generated(self, rollout: Rollout, turn_ids: list[int], ended_on_eos: bool, turn: AssistantTurn) -> None:
+        """Append one generated turn (``turn_ids``, already cut to the budget) and its parse."""
+        first = not self.completion_ids
+        if first:
+            self.policy_version, self.extra = rollout.policy_version, dict(rollout.extra)
+        self.completion_ids.extend(turn_ids)
+        self.tool_mask.extend([1] * len(turn_ids))
+        if self.sampling_logprobs is not None:
+            if rollout.sampling_logprobs is None:
+                self.sampling_logprobs = None
+            else:
+                self.sampling_logprobs.extend(rollout.sampling_logprobs[: len(turn_ids)])
+        self.ended_on_eos = ended_on_eos
+        self.last_turn = turn
+        self.messages.append(turn.message())
+
+    def add_tool_turn(self, ids: list[int], results: list[ToolResult]) -> None:
+        """Append the tool-turn ids (out of the loss) and the tool messages."""
+        self.completion_ids.extend(ids)
+        self.tool_mask.extend([0] * len(ids))
+        if self.sampling_logprobs is not None:
+            self.sampling_logprobs.extend([0.0] * len(ids))
+        self.messages.extend(result.message() for result in results)
+        for result in results:
+            if isinstance(result.content, list):
+                self.images.extend(b.get("image") for b in result.content if isinstance(b, dict) and b.get("type") == "image")
+        self.iterations += 1
+
+    def count(self, results: list[ToolResult]) -> None:
+        self.tool_calls += len(results)
+        self.tool_failures += sum(result.failed for result in results)
+
+    @property
+    def wants_tools(self) -> bool:
+        """The last turn ended properly and asked for tools."""
+        return self.ended_on_eos and self.last_turn is not None and bool(self.last_turn.tool_calls)
+
+    def rollout(self) -> Rollout:
+        extra = {**self.extra, NUM_TOOL_CALLS: self.tool_calls, NUM_TOOL_FAILURES: self.tool_failures,
+                 TOOL_IMAGES: list(self.images)}
+        return Rollout(
+            prompt_ids=list(self.prompt_ids), completion_ids=list(self.completion_ids), ended_on_eos=self.ended_on_eos,
+            policy_version=self.policy_version, sampling_logprobs=self.sampling_logprobs, tool_mask=list(self.tool_mask),
+            extra=extra,
+        )
+
+
+__all__ = ["AGENT_FIELDS", "Episode", "NUM_TOOL_CALLS", "NUM_TOOL_FAILURES", "TOOL_IMAGES"]
