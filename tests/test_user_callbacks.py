@@ -177,3 +177,20 @@ def test_the_examples_run_from_yaml_with_the_grpo_command(tmp_path):
     assert sorted(frame["step"].unique()) == list(range(stop)) and len(frame) == 8 * stop
     for step, rows in frame.groupby("step"):  # trained on at optimizer step step + 1, logged there
         assert rows["reward/length_reward"].mean() == pytest.approx(rewards[step + 1], rel=1e-6)
+
+
+def test_the_overlay_parses_on_the_quickstart_and_names_the_three_examples(monkeypatch):
+    from grpo_lightning.cli import TRAINER_DEFAULTS, GRPOLightningCLI
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+
+    class ParseOnly(GRPOLightningCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    monkeypatch.chdir(REPO)
+    cli = ParseOnly(GRPOModule, RolloutDataModule, trainer_defaults=TRAINER_DEFAULTS, run=False,
+                    args=["--config", "configs/quickstart.yaml", "--config", str(OVERLAY)])
+    names = [c.class_path for c in cli.config.trainer.callbacks]
+    assert names == ["callbacks.StopWhenRewardReached", "callbacks.SaveBestPolicy", "callbacks.RolloutsToParquet"]
+    assert cli.config.data.eval_dataset == "examples/arithmetic/test.jsonl"

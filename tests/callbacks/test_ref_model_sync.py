@@ -192,3 +192,29 @@ def test_fsdp2_shards_mix_in_place_like_the_whole_weights(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", rank
+
+
+def test_trl_fields_are_the_callbacks_yaml_arguments(tmp_path):
+    """TRL's ``sync_ref_model: true, ref_model_mixup_alpha, ref_model_sync_steps`` in YAML."""
+    from grpo_lightning.cli import TRAINER_DEFAULTS, GRPOLightningCLI
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+
+    class ParseOnly(GRPOLightningCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text("""
+trainer:
+  callbacks:
+    - class_path: grpo_lightning.callbacks.RefModelSync
+      init_args: {ref_model_mixup_alpha: 0.5, ref_model_sync_steps: 64}
+model: {model: unused, loss: {class_path: grpo_lightning.losses.DAPOLoss, init_args: {beta: 0.04}}}
+data: {dataset: unused.jsonl, reward_funcs: [exact_match_reward]}
+""")
+    cli = ParseOnly(GRPOModule, RolloutDataModule, trainer_defaults=TRAINER_DEFAULTS, run=False,
+                    args=["--config", str(config)])
+    (callback,) = cli.config.trainer.callbacks
+    assert dict(vars(callback.init_args)) == {"ref_model_mixup_alpha": 0.5, "ref_model_sync_steps": 64}
+    assert (RefModelSync().ref_model_mixup_alpha, RefModelSync().ref_model_sync_steps) == (0.6, 512)  # TRL's defaults
