@@ -23,6 +23,7 @@ Layer L3.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,6 +37,7 @@ from grpo_lightning.tools import (
 )
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
 
+log = logging.getLogger(__name__)
 Generate = Callable[[Sequence[PromptInput], int, GenerationParams], list[Rollout]]
 
 
@@ -81,6 +83,7 @@ class AgentSampler(Sampler):
         self.requires_max_steps = False
         self.template: ToolTurnTemplate | None = None
         self.parser: ToolCallParser | None = None
+        self._warned_images = False
 
     # ------------------------------------------------------------------ lifecycle (delegated)
     def bind(self, handle: PolicyHandle) -> None:
@@ -180,6 +183,7 @@ class AgentSampler(Sampler):
                 if self._fits(episode, len(ids), budget):
                     episode.add_tool_turn(ids, row_results)
                     continuing.append(episode)
+                    self._note_images(episode)
             if not continuing:
                 break
             room = [budget - len(e.completion_ids) for e in continuing]
@@ -189,6 +193,15 @@ class AgentSampler(Sampler):
             active = [e for e in continuing if e.wants_tools]
             rounds += 1
         return [e.rollout() for e in episodes]
+
+    def _note_images(self, episode: Episode) -> None:
+        if episode.images and not self._warned_images:
+            self._warned_images = True
+            log.warning(
+                "a tool returned images: they are kept in the conversation (reward functions' completions, "
+                "Rollout.extra['tool_images']), but the tool turn's tokens render only its text blocks (text-only "
+                "rendering until VLM training is supported)."
+            )
 
     def _fits(self, episode: Episode, tool_tokens: int, budget: int) -> bool:
         """Room for the tool turn and at least one generated token, in the completion budget and

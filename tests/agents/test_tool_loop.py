@@ -166,3 +166,28 @@ def test_context_limit_stops_the_loop(qwen):
     sampler._handle.max_context_length = len(prompt) + len(ids(tokenizer, first)) + 3  # no room for the tool turn
     _, _, (rollout,) = run(sampler)
     assert len(inner.calls) == 1 and set(rollout.tool_mask) == {1} and rollout.extra["num_tool_calls"] == 1
+
+
+def take_screenshot() -> list:
+    """Takes a screenshot of the current screen.
+
+    Returns:
+        The screenshot image with a description.
+    """
+    return [{"type": "image", "image": "PIXELS"}, {"type": "text", "text": "Here is the screenshot."}]
+
+
+def test_multimodal_tool_result_reaches_the_next_turn_as_content_blocks(qwen):
+    _, tokenizer = qwen
+    inner = ScriptedSampler(lambda c, j: "A cat." if "<tool_response>" in c else call("take_screenshot"))
+    tools = Toolbox.of([take_screenshot])
+    sampler = AgentSampler(inner, tools, chat_template_kwargs=KWARGS)
+    sampler.bind(Handle(tokenizer))
+    episode = Episode(sampler.render_prompt(USER, tools), tools)
+    (rollout,) = sampler.run([episode], GenerationParams(max_completion_length=200))
+    blocks = [{"type": "image", "image": "PIXELS"}, {"type": "text", "text": "Here is the screenshot."}]
+    assert episode.messages[1] == {"role": "tool", "name": "take_screenshot", "content": blocks}  # message level: a VLM's input
+    assert rollout.extra["tool_images"] == ["PIXELS"]
+    # A text-only model reads the text blocks of the result.
+    tool_text = tokenizer.decode([t for t, m in zip(rollout.completion_ids, rollout.tool_mask) if m == 0])
+    assert "<tool_response>\nHere is the screenshot.\n</tool_response>" in tool_text
