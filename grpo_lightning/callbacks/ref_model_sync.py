@@ -90,13 +90,6 @@ class RefModelSync(pl.Callback):
         if type(trainer.strategy).__name__ in _SHARDED_STRATEGIES:
             raise ConfigError(f"RefModelSync with model.peft_config under {type(trainer.strategy).__name__}: mixing "
                               "into sharded LoRA base weights is not implemented; use DDP or one device.")
-        if getattr(pl_module, "save_final_model", False):
-            # The merged export loads a fresh base from model.model and merges the adapter into
-            # it: after a sync that is not the policy any more (the base moved).
-            raise ConfigError(
-                "RefModelSync with model.peft_config changes the base weights, which the final export reloads "
-                "from model.model: set model.save_final_model: false (checkpoints hold the synced base and adapter)."
-            )
 
     # -------------------------------------------------------------------------- the mix
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

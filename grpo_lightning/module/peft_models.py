@@ -100,18 +100,25 @@ def export_peft_policy(
 
     ``state`` is the policy's whole state dict (gathered under sharding). The merge never touches
     the live policy: ``load_base`` gives a fresh, unquantized copy of the base model (on CPU) that
-    the saved adapter is loaded into and merged with; without it (a model object was given) a
-    deep copy of the policy is merged. A QLoRA adapter is merged into the unquantized base weights.
+    the saved adapter is loaded into and merged with (the base weights taken from ``state``, which
+    a TR-DPO sync may have moved; QLoRA: the unquantized checkpoint's, its base is frozen); without
+    it (a model object was given) a deep copy of the policy is merged.
     """
     peft = import_peft()
     adapter_dir = os.path.join(directory, ADAPTER_SUBDIR)
     policy.save_pretrained(adapter_dir, state_dict=state)
     tokenizer.save_pretrained(adapter_dir)
     if load_base is not None:
-        base = load_base()
-        merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        with_adapter = peft.PeftModel.from_pretrained(load_base(), adapter_dir)
+        if not _is_quantized(policy):
+            # The policy's own base weights: a TR-DPO sync (RefModelSync) moves them away from the
+            # checkpoint that load_base reads. Same wrapper, same keys.
+            unexpected = with_adapter.load_state_dict(state, strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"Merged export: the policy's state has keys the fresh base lacks: {unexpected[:5]}")
+        merged = with_adapter.merge_and_unload()
     else:
-        if getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False):
+        if _is_quantized(policy):
             log.warning("Merging the adapter into quantized weights given as a model object: the merge is lossy.")
         merged = copy.deepcopy(policy).merge_and_unload()
     if getattr(merged.config, "use_cache", None) is False:
@@ -119,3 +126,7 @@ def export_peft_policy(
     merged.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     log.info("Final policy saved to %s (merged) and its adapter to %s", directory, adapter_dir)
+
+
+def _is_quantized(policy: torch.nn.Module) -> bool:
+    return bool(getattr(policy, "is_loaded_in_4bit", False) or getattr(policy, "is_loaded_in_8bit", False))

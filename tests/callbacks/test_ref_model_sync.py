@@ -114,8 +114,7 @@ def test_bad_settings_are_refused_before_any_weights_load():
         sync.setup(_trainer(), _module(peft=LoRASettings(use_dora=True)), "fit")
     with pytest.raises(ConfigError, match="under ModelParallelStrategy: mixing into sharded LoRA base"):
         sync.setup(_trainer("ModelParallelStrategy"), _module(peft=lora), "fit")
-    with pytest.raises(ConfigError, match="set model.save_final_model: false"):
-        sync.setup(_trainer(), _module(peft=lora, save_final_model=True), "fit")
+    sync.setup(_trainer(), _module(peft=lora, save_final_model=True), "fit")  # the export takes the synced base
 
 
 def test_state_round_trips():
@@ -157,6 +156,30 @@ def test_lora_reference_takes_alpha_of_the_adapter_and_the_policy_is_unchanged()
         reference = _logits(policy, ids)
     torch.testing.assert_close(reference, _logits(expected_ref, ids), rtol=1e-12, atol=1e-12)
     assert (reference - policy_before).abs().max() > 1e-3  # the adapter and lm_head copy did move the reference
+
+
+def test_lora_export_after_a_sync_is_the_policy(tmp_path):
+    """The merged export reloads the base from the original checkpoint (``load_base``) and must
+    then take the policy's own, synced base weights: its logits equal the live policy's."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lightning.module.peft_models import export_peft_policy
+
+    checkpoint = tmp_path / "base"
+    build_tiny_causal_lm(20, seed=4).save_pretrained(checkpoint)
+    config = LoRASettings(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False).to_peft()
+    policy = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), config)
+    RefModelSync(ref_model_mixup_alpha=ALPHA).sync(SimpleNamespace(policy=policy, ref_policy=None))
+
+    tokenizer = SimpleNamespace(save_pretrained=lambda directory: None)
+    export_peft_policy(policy, policy.state_dict(), str(tmp_path / "out"), tokenizer,
+                       lambda: AutoModelForCausalLM.from_pretrained(checkpoint))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(4, 20, (3, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(exported, ids), _logits(policy, ids), rtol=1e-5, atol=1e-5)
+    with policy.disable_adapter():  # the base did move: reloading it alone would be wrong
+        assert (_logits(policy, ids) - _logits(AutoModelForCausalLM.from_pretrained(checkpoint), ids)).abs().max() > 1e-4
 
 
 def test_lora_with_a_separate_reference_mixes_parameters():
