@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
 from grpo_lightning.data.agent_wiring import AgentSettings, wire_agent
+from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, isolated_rng
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
@@ -22,7 +23,7 @@ from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
     check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan,
 )
-from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
+from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings, trainer_collective
 from grpo_lightning.data.run_summary import check_data_settings, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.data.weight_sync import WeightSync
@@ -38,7 +39,6 @@ warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__`
 warnings.filterwarnings("ignore", message=r"The 'train_dataloader' does not have many workers")
 # Without evaluation sets val_dataloader() returns [] on purpose (no validation loop).
 warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
-
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -93,6 +93,8 @@ class RolloutDataModule(pl.LightningDataModule):
         importance_sampling: Correction for the gap between the sampler's and the trainer's
             log-probs (``enabled``, ``mode``, ``clip_min``, ``clip_max``; TRL's
             ``vllm_importance_sampling_*``), applied when the sampler returns log-probs.
+        dynamic_sampling: DAPO's dynamic sampling (``max_extra_rounds``, ``on_exhausted``): drop the groups
+            whose rewards tie, refill from the next prompts (``docs/dynamic_sampling.md``). Default: off.
         agent: Tools and environments (``tools``, ``environment_factory``, ``max_tool_calling_iterations``; docs/agents.md).
         chat_template_kwargs: Extra arguments for ``apply_chat_template`` (e.g.
             ``enable_thinking: false``).
@@ -139,6 +141,7 @@ class RolloutDataModule(pl.LightningDataModule):
         generation: GenerationParams = GenerationParams(),
         sampler: str | Sampler = lazy_instance(HFGenerateSampler),
         importance_sampling: ImportanceSamplingCorrection = ImportanceSamplingCorrection(),
+        dynamic_sampling: DynamicSampling | None = None,
         agent: AgentSettings | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_as_chat: bool = False,
@@ -178,6 +181,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.seed = seed
         self.generation = generation
         self.importance_sampling = importance_sampling
+        self.dynamic_sampling = dynamic_sampling
         self.chat_template_kwargs = chat_template_kwargs
         self.prompt_as_chat = prompt_as_chat
         self.system_prompt = system_prompt
@@ -199,6 +203,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._collect_completions = False
 
         self.builder: RolloutBuilder | None = None
+        self.refill: DynamicSampler | None = None  # with dynamic_sampling: draws the training prompts
         self.schedule: MicroStepSchedule | None = None
         self.prompt_order: PromptOrder | None = None
         self.micro_steps_done = 0  # micro-steps actually trained (not prefetched): the resume point
@@ -228,9 +233,6 @@ class RolloutDataModule(pl.LightningDataModule):
         if stage in ("fit", "validate") and not self.eval_builders:
             self._setup_evaluation(handle)
 
-    def _collective(self) -> Collective:
-        return Collective(self.trainer.global_rank, self.trainer.world_size, self._all_gather, self._all_gather_objects)
-
     def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
         check_training_length(trainer.max_steps, trainer.max_epochs)
@@ -246,14 +248,15 @@ class RolloutDataModule(pl.LightningDataModule):
                 "the last optimizer step of each epoch accumulates fewer micro-batches.",
                 self.schedule.steps_per_epoch, trainer.accumulate_grad_batches,
             )
-        self.run_plan = run_plan(self.train_dataset["prompt"], self.num_generations, plan,
-                                 self.per_device_train_batch_size, self.num_iterations,
-                                 trainer.accumulate_grad_batches, trainer.world_size, self.shuffle_dataset)
+        self.run_plan = run_plan(self.train_dataset["prompt"], self.num_generations, plan, self.per_device_train_batch_size,
+                                 self.num_iterations, trainer.accumulate_grad_batches, trainer.world_size,
+                                 self.shuffle_dataset, self.dynamic_sampling)
         settings = self._settings(self.num_generations, plan, trainer.accumulate_grad_batches, self.num_iterations)
         if trainer.is_global_zero:
             log.info(run_summary(settings, self.schedule, trainer, handle.needs_reference_logprobs))
-        self.builder = RolloutBuilder(settings, self.sampler, self.rewards, handle, self._collective())
+        self.builder = RolloutBuilder(settings, self.sampler, self.rewards, handle, trainer_collective(lambda: self.trainer))
         self.builder.collect_table = self._collect_completions
+        self.refill = DynamicSampler(self.dynamic_sampling, self.builder, self._rows) if self.dynamic_sampling else None
 
     def _setup_evaluation(self, handle: Any) -> None:
         world = self.trainer.world_size
@@ -261,15 +264,14 @@ class RolloutDataModule(pl.LightningDataModule):
         plan = GenerationPlan(rows * world, 1, rows * world // self.num_generations_eval, rows)
         settings = self._settings(self.num_generations_eval, plan, gradient_accumulation_steps=1, num_iterations=1)
         for name, source in self.eval_sources.items():
-            self.eval_builders[name] = RolloutBuilder(settings, self.sampler, self.rewards, handle, self._collective())
+            self.eval_builders[name] = RolloutBuilder(settings, self.sampler, self.rewards, handle, trainer_collective(lambda: self.trainer))
 
     def _settings(self, num_generations: int, plan: GenerationPlan, gradient_accumulation_steps: int, num_iterations: int) -> RolloutSettings:
         return RolloutSettings(
             num_generations=num_generations, plan=plan, params=self.generation,
             gradient_accumulation_steps=gradient_accumulation_steps, num_iterations=num_iterations,
             chat_template_kwargs=self.chat_template_kwargs, scale_rewards=self.scale_rewards,
-            multi_objective_aggregation=self.multi_objective_aggregation,
-            mask_truncated_completions=self.mask_truncated_completions,
+            multi_objective_aggregation=self.multi_objective_aggregation, mask_truncated_completions=self.mask_truncated_completions,
             importance_sampling=self.importance_sampling, sampler_logprobs=self.sampler.provides_logprobs,
         )
 
@@ -284,14 +286,6 @@ class RolloutDataModule(pl.LightningDataModule):
         self._collect_completions = bool(value)
         if self.builder is not None:
             self.builder.collect_table = self._collect_completions
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.trainer.strategy.all_gather(tensor)
-
-    def _all_gather_objects(self, values: list[Any]) -> list[list[Any]]:
-        gathered: list[Any] = [None] * self.trainer.world_size
-        torch.distributed.all_gather_object(gathered, values)
-        return gathered
 
     def train_dataloader(self) -> DataLoader:
         if self.schedule is None:
@@ -345,7 +339,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate and score one validation step (no buffering, no shuffling)."""
         dataset = self.eval_datasets[ref.name]
         row_ids, counts = ref.rows(self.num_generations_eval)  # repeated prompts keep ranks in step, uncounted
-        rows = [self._format_row(dataset[i]) for i in row_ids]
+        rows = self._rows(row_ids, dataset)
         state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
         order_seed = self.prompt_order.seed if self.prompt_order is not None else data_seed(self.seed)
         set_index = list(self.eval_datasets).index(ref.name)
@@ -357,17 +351,15 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _generate(self, ref: MicroStepRef) -> list[RolloutBatch]:
         assert self.builder is not None and self.prompt_order is not None
-        plan = self.builder.settings.plan
-        prompts = self.prompt_order.prompt_indices(ref.epoch, ref.generation)
-        global_ids = [i for i in prompts for _ in range(self.num_generations)]
-        rank = self.trainer.global_rank
-        row_ids = global_ids[rank * plan.local_rows : (rank + 1) * plan.local_rows]
-        rows = [self._format_row(self.train_dataset[i]) for i in row_ids]
         # A private generator per generation batch: the micro-batch shuffle is reproducible on
         # resume and independent of any other use of the global RNG.
-        generator = torch.Generator().manual_seed(shuffle_seed(self.prompt_order.seed, rank, ref.epoch, ref.generation))
-        state = build_trainer_state(self.trainer, ref.step, self.schedule)
-        built = self.builder.build(rows, row_ids, generator, trainer_state=state)
+        seed = shuffle_seed(self.prompt_order.seed, self.trainer.global_rank, ref.epoch, ref.generation)
+        generator, state = torch.Generator().manual_seed(seed), build_trainer_state(self.trainer, ref.step, self.schedule)
+        if self.refill is not None:
+            built = self.refill.build(self.prompt_order, generator, trainer_state=state)
+        else:
+            row_ids = self.builder.local_row_ids(self.prompt_order.prompt_indices(ref.epoch, ref.generation))
+            built = self.builder.build(self._rows(row_ids), row_ids, generator, trainer_state=state)
         self.num_tokens += built.num_tokens
         if built.table is not None:
             self.completion_table = built.table
@@ -376,8 +368,9 @@ class RolloutDataModule(pl.LightningDataModule):
         built.micro_batches[0].generation_metrics["num_tokens"] = float(self.num_tokens)
         return built.micro_batches
 
-    def _format_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        return format_row(row, self.prompt_as_chat, self.system_prompt)
+    def _rows(self, row_ids: Sequence[int], dataset: Any = None) -> list[dict[str, Any]]:
+        rows = self.train_dataset if dataset is None else dataset
+        return [format_row(rows[i], self.prompt_as_chat, self.system_prompt) for i in row_ids]
 
     def teardown(self, stage: str) -> None:
         self.sampler.close()
@@ -388,9 +381,9 @@ class RolloutDataModule(pl.LightningDataModule):
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
         mine = rank_state(self._buffer_key, self._buffer)
-        ranks = self._all_gather_objects(mine) if self.trainer.world_size > 1 else [mine]
+        ranks = trainer_collective(lambda: self.trainer).gather_objects([mine])
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
-                "plan": self.run_plan, "ranks": ranks}
+                "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_same_plan(state_dict.get("plan"), self.run_plan)
@@ -399,6 +392,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
             self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))
         self._buffer_key, self._buffer = None, []
+        if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
+            self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")
         self._resume_rank_state = ranks[self.trainer.global_rank] if ranks else None
 

@@ -2,8 +2,9 @@
 
 Layer L4 (data side). ``RolloutDataModule.state_dict`` stores, besides the prompt position:
 
-* the **run plan** (dataset identity, batch arithmetic, world size): a resume under another plan
-  would silently train on other prompts or another batch split, so it is refused by name;
+* the **run plan** (dataset identity, batch arithmetic, world size, dynamic sampling): a resume
+  under another plan would silently train on other prompts or another batch split, so it is
+  refused by name;
 * per rank, **every RNG stream** (torch CPU and CUDA, numpy, Python) and the **generation buffer**
   (the rollouts of a generation batch that spans several optimizer steps when ``num_iterations``
   or ``steps_per_generation`` replay it). Checkpoints are saved at optimizer-step ends, which can
@@ -34,7 +35,10 @@ log = logging.getLogger(__name__)
 PLAN_KEYS = (
     "dataset_rows", "dataset_digest", "num_generations", "generation_batch_size", "steps_per_generation",
     "per_device_train_batch_size", "num_iterations", "accumulate_grad_batches", "world_size", "shuffle_dataset",
+    "dynamic_sampling",
 )
+#: What a plan key means when a checkpoint predates it: the setting's default, which that run had.
+PLAN_DEFAULTS: dict[str, Any] = {"dynamic_sampling": None}
 
 
 def dataset_digest(prompts: Sequence[Any], sample: int = 16) -> str:
@@ -54,7 +58,9 @@ def check_same_plan(saved: Mapping[str, Any] | None, current: Mapping[str, Any])
     """Raise :class:`ConfigError` naming every plan setting that differs from the checkpoint's."""
     if not saved:
         return  # a checkpoint written before plans were recorded
-    changed = {k: (saved.get(k), current.get(k)) for k in PLAN_KEYS if k in saved and saved.get(k) != current.get(k)}
+    recorded = {**{k: v for k, v in PLAN_DEFAULTS.items() if k not in saved}, **saved}
+    changed = {k: (recorded.get(k), current.get(k)) for k in PLAN_KEYS
+               if k in recorded and recorded.get(k) != current.get(k)}
     if changed:
         listed = "; ".join(f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items())
         raise ConfigError(
@@ -66,14 +72,16 @@ def check_same_plan(saved: Mapping[str, Any] | None, current: Mapping[str, Any])
 
 
 def run_plan(dataset_prompts: Sequence[Any], num_generations: int, plan: Any, per_device_train_batch_size: int,
-             num_iterations: int, accumulate_grad_batches: int, world_size: int, shuffle_dataset: bool) -> dict[str, Any]:
-    """The settings of :data:`PLAN_KEYS` for a run (``plan``: its ``GenerationPlan``)."""
+             num_iterations: int, accumulate_grad_batches: int, world_size: int, shuffle_dataset: bool,
+             dynamic_sampling: Any = None) -> dict[str, Any]:
+    """The settings of :data:`PLAN_KEYS` for a run (``plan``: its ``GenerationPlan``;
+    ``dynamic_sampling``: its ``DynamicSampling`` or ``None``)."""
     return dict(
         dataset_rows=len(dataset_prompts), dataset_digest=dataset_digest(dataset_prompts),
         num_generations=num_generations, generation_batch_size=plan.generation_batch_size,
         steps_per_generation=plan.steps_per_generation, per_device_train_batch_size=per_device_train_batch_size,
         num_iterations=num_iterations, accumulate_grad_batches=accumulate_grad_batches, world_size=world_size,
-        shuffle_dataset=shuffle_dataset,
+        shuffle_dataset=shuffle_dataset, dynamic_sampling=None if dynamic_sampling is None else dynamic_sampling.plan(),
     )
 
 
@@ -149,6 +157,6 @@ def batch_from_state(state: Mapping[str, Any], device: torch.device | str) -> Ro
 
 
 __all__ = [
-    "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
+    "PLAN_DEFAULTS", "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
     "restore_rank_state", "restore_rng", "resumed_prompt_order", "rng_snapshot", "run_plan",
 ]

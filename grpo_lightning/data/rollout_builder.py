@@ -25,7 +25,7 @@ from grpo_lightning.data.prompt_format import check_context_length, decode_compl
 from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sampling import generate_checked, with_rollout_fields
 from grpo_lightning.data.sources import is_conversational
-from grpo_lightning.rewards.runner import RewardRunner
+from grpo_lightning.rewards.runner import RewardRunner, RewardScores
 from grpo_lightning.rewards.timeouts import gathered_timeout_metrics
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.types import CompletionTable, GenerationParams, PolicyHandle, Rollout, RolloutBatch
@@ -54,6 +54,19 @@ class Collective:
         if self.world_size == 1 or self.all_gather_objects is None:
             return list(values)
         return [v for per_rank in self.all_gather_objects(values) for v in per_rank]
+
+
+def trainer_collective(trainer: Callable[[], Any]) -> Collective:
+    """The :class:`Collective` of a Lightning trainer's ranks: its strategy's ``all_gather`` and
+    ``torch.distributed.all_gather_object``. ``trainer`` returns the trainer, looked up at each call."""
+
+    def all_gather_objects(values: list[Any]) -> list[list[Any]]:
+        gathered: list[Any] = [None] * trainer().world_size
+        torch.distributed.all_gather_object(gathered, values)
+        return gathered
+
+    return Collective(trainer().global_rank, trainer().world_size, lambda t: trainer().strategy.all_gather(t),
+                      all_gather_objects)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,15 @@ class RolloutSettings:
 
 
 @dataclass
+class SampledRows:
+    """One rank's generated and scored rows, before advantages: ``rollouts`` and their ``scores``
+    (``scores.rewards``: ``(B, F)``), in row order."""
+
+    rollouts: list[Rollout]
+    scores: RewardScores
+
+
+@dataclass
 class GenerationBatch:
     """A built generation batch: its micro-batches, the tokens it added to ``num_tokens`` and,
     when asked for, the completion table of all ranks."""
@@ -122,6 +144,13 @@ class RolloutBuilder:
         self.collect_table = False
         self._warned_all_none: set[str] = set()
 
+    def local_row_ids(self, prompts: Sequence[int]) -> list[int]:
+        """This rank's rows of a generation batch of ``prompts`` (dataset row ids): every prompt
+        ``num_generations`` times, cut into contiguous per-rank slices (spec §1.3)."""
+        rows, rank = self.settings.plan.local_rows, self.collective.rank
+        global_ids = [i for i in prompts for _ in range(self.settings.num_generations)]
+        return global_ids[rank * rows : (rank + 1) * rows]
+
     def build(
         self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], generator: torch.Generator | None,
         trainer_state: Any = None, counts: Sequence[bool] | None = None,
@@ -134,7 +163,14 @@ class RolloutBuilder:
         mask. Whole groups must agree, and every rank must pass ``counts`` or none.
         """
         started = time.perf_counter()
-        s, tokenizer, device = self.settings, self.handle.tokenizer, self.handle.device
+        return self.finish(self.sample(rows, row_ids, trainer_state, counts), generator, counts, started)
+
+    def sample(
+        self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int], trainer_state: Any = None,
+        counts: Sequence[bool] | None = None,
+    ) -> SampledRows:
+        """Generate and score this rank's ``rows`` (the first half of :meth:`build`)."""
+        s, tokenizer = self.settings, self.handle.tokenizer
         rows, agent = start_agent_batch(self.sampler, rows)  # agents: each rollout's environment reset, its tools
         prompts = [row["prompt"] for row in rows]
         check_context_length(
@@ -151,12 +187,23 @@ class RolloutBuilder:
             self.rewards, counts, prompts=prompts, completions=completions, completion_ids=completion_ids,
             columns=columns, trainer_state=trainer_state, environments=agent and agent.environments,
         )
+        return SampledRows(rollouts, scores)
 
+    def finish(
+        self, sampled: SampledRows, generator: torch.Generator | None, counts: Sequence[bool] | None = None,
+        started: float | None = None, extra_metrics: dict[str, float] | None = None,
+    ) -> GenerationBatch:
+        """Advantages, padding, normalisers, old/reference log-probs, metrics and micro-batches of
+        scored rows (the second half of :meth:`build`); ``extra_metrics`` join the generation
+        metrics. Every rank calls it, with ``counts`` on all ranks or none."""
+        started = time.perf_counter() if started is None else started
+        s, device = self.settings, self.handle.device
+        rollouts, scores = sampled.rollouts, sampled.scores
         # Group statistics need every rank's rewards (a group may straddle two ranks).
         global_rewards = self.collective.gather_rows(scores.rewards.to(device))  # (N, F)
         counted = None if counts is None else self.collective.gather_rows(torch.tensor(counts, device=device).float()) > 0
         advantages, stats = self._advantages(global_rewards, counted)  # (N,), stats of counted rows
-        local = slice(self.collective.rank * len(rows), (self.collective.rank + 1) * len(rows))
+        local = slice(self.collective.rank * len(rollouts), (self.collective.rank + 1) * len(rollouts))
         batch = self._pad(rollouts, advantages[local], device)
         if counted is not None:
             exclude_rows(batch, ~counted[local])
@@ -173,6 +220,7 @@ class RolloutBuilder:
             batch.ref_logps = self.handle.rollout_logprobs(batch, reference=True, chunk_size=chunk)
 
         metrics, num_tokens = self._metrics(rollouts, batch, global_rewards, scores, stats, counted)
+        metrics.update(extra_metrics or {})
         if correcting:
             rows = None if counted is None else counted[local]
             metrics.update(self._correct_sampling(batch, rows))
