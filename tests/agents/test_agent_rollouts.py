@@ -118,3 +118,26 @@ def test_wiring_errors():
         AgentSettings()
     with pytest.raises(ConfigError, match="max_tool_calling_iterations=-1"):
         AgentSettings(tools=[calculate], max_tool_calling_iterations=-1)
+
+
+def test_chat_template_setting_and_start_up_refusals(qwen, tmp_path):
+    from grpo_lightning.agents import AgentSampler, read_chat_template
+    from grpo_lightning.tools import Toolbox
+    from grpo_lightning.utils.tiny_models import build_char_tokenizer
+
+    family, tokenizer = qwen
+    path = tmp_path / "t.jinja"
+    path.write_text(tokenizer.chat_template)
+    assert read_chat_template(str(path)) == tokenizer.chat_template
+    with pytest.raises(ConfigError, match="neither a Jinja template nor a readable file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    sampler = AgentSampler(ScriptedSampler(lambda c, k: ""), Toolbox.of([calculate]), chat_template=tokenizer.chat_template)
+    if family == "qwen2.5":
+        sampler.bind(Handle(tokenizer))  # the model's own template, given explicitly: used as is
+        assert sampler.template.chat_template == tokenizer.chat_template
+    else:
+        with pytest.raises(ConfigError, match="data.agent: the chat template is not prefix-preserving"):
+            sampler.bind(Handle(tokenizer))  # an explicit template is never replaced by a fix
+    plain = build_char_tokenizer(chat_template=False)
+    with pytest.raises(ConfigError, match="tools need a chat template"):
+        AgentSampler(ScriptedSampler(lambda c, k: ""), Toolbox.of([calculate])).bind(Handle(plain))
