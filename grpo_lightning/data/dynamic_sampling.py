@@ -162,7 +162,7 @@ class DynamicSampler:
     builder: RolloutBuilder
     rows_of: Callable[[Sequence[int]], list[dict[str, Any]]]
     batches_drawn: int = 0
-    _warned: bool = field(default=False, repr=False)
+    _warned: bool = field(default=False, init=False, repr=False)  # the cap warning is logged once
 
     def draw(self, order: PromptOrder) -> list[int]:
         """The next prompt batch of ``order`` (epoch after epoch)."""
