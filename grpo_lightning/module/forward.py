@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -44,6 +45,7 @@ from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
 from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layout
 from grpo_lightning.module.forward_options import ForwardOptions
+from grpo_lightning.module.fp32_head import is_fp32_head
 from grpo_lightning.algo.packing import (
     TokenLayout,
     is_left_padded,
@@ -276,20 +278,38 @@ def _optimized_logprobs(
     if layout.num_tokens == 0:  # nothing to score: keep the plain path's autograd graph
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
     hidden = _hidden_states(model, parts, layout)
+    return head_logprobs(parts, hidden, layout, completion_ids.shape, temperature, with_entropy,
+                         entropy_requires_grad, options)
+
+
+def head_logprobs(
+    parts: _ModelParts,
+    hidden: torch.Tensor,
+    layout: TokenLayout,
+    shape: tuple[int, ...],
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    options: ForwardOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The completion tokens' log-probs (and entropies), ``(B, T)``, from the ``(R, W, H)`` final
+    hidden states of ``layout``, through the LM head in chunks (float32 for an FP32LMHead)."""
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.predict_index)  # (M, H)
-    logps, entropies = chunked_head_logprobs(
-        hidden,
-        layout.target_ids,
-        parts.head,
-        temperature,
-        chunk_tokens=options.lm_head_chunk_tokens,
-        logit_scale=parts.logit_scale,
-        softcap=parts.softcap,
-        with_entropy=with_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        recompute=options.chunked_lm_head,
-    )
-    shape = (completion_ids.shape[0], completion_ids.shape[1])
+    fp32_head = is_fp32_head(parts.head)  # cast_lm_head_to_fp32: the head's matmul in float32
+    with torch.autocast(hidden.device.type, enabled=False) if fp32_head else nullcontext():
+        logps, entropies = chunked_head_logprobs(
+            hidden.float() if fp32_head else hidden,
+            layout.target_ids,
+            parts.head,
+            temperature,
+            chunk_tokens=options.lm_head_chunk_tokens,
+            logit_scale=parts.logit_scale,
+            softcap=parts.softcap,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            recompute=options.chunked_lm_head,
+        )
+    shape = (shape[0], shape[1])
     logps = scatter_tokens(logps, layout.output_index, shape)
     if entropies is not None:
         entropies = scatter_tokens(entropies, layout.output_index, shape)

@@ -13,18 +13,23 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
 
-from grpo_lightning.losses import LossInputs, LossOutput, MicroBatchTotals, PolicyLoss, get_loss
+from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
+from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
+from grpo_lightning.module.entropy_selection import world_sum
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
 from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
+from grpo_lightning.module.model_checks import check_architecture_settings
 from grpo_lightning.module.model_info import read_model_info
 from grpo_lightning.module.model_loading import CausalLM, check_model_sources, load_tokenizer, tokenizer_source
 from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
 from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, gathered_weights
+from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
+from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
@@ -62,7 +67,13 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: Recompute activations in backward to save memory (TRL default on).
         disable_dropout: Set every ``nn.Dropout`` probability to 0 in policy and reference.
         entropy_coef: Coefficient of the entropy bonus subtracted from the loss (0 disables);
-            a public attribute that callbacks may adapt during training.
+            a public attribute that callbacks (``AdaptiveEntropy``: its start value) may adapt.
+        top_entropy_quantile: Train the policy term on the top ``ρ`` fraction of active tokens by
+            entropy only (0.2 in the paper; 0: the max-entropy token(s); 1: all), over all ranks.
+        cast_lm_head_to_fp32: LM head weight and matmul in float32 (policy and reference), the
+            rest per ``trainer.precision``; needs untied embeddings and no adapter on ``lm_head``.
+        router_aux_loss_coef: Weight of a MoE model's router load-balancing loss (metric
+            ``aux_loss``); ``null``: the model config's value; 0: off; an error on a dense model.
         output_dir: Where the final policy is exported; defaults to ``trainer.default_root_dir``.
         save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
             ``<output_dir>/final_model`` when training ends (with ``peft_config``: the merged
@@ -98,6 +109,9 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: bool = True,
         disable_dropout: bool = False,
         entropy_coef: float = 0.0,
+        top_entropy_quantile: float = 1.0,
+        cast_lm_head_to_fp32: bool = False,
+        router_aux_loss_coef: float | None = None,
         output_dir: str | None = None,
         save_final_model: bool = True,
         forward: ForwardOptions = ForwardOptions(),
@@ -112,13 +126,17 @@ class GRPOModule(pl.LightningModule):
             model, peft_config, quantization_config, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code
         )
         self.loss: PolicyLoss = get_loss(fresh_instance(loss))
+        router_coef = check_architecture_settings(  # from the model config, before the weights load
+            model, cast_lm_head_to_fp32=cast_lm_head_to_fp32, router_aux_loss_coef=router_aux_loss_coef,
+            peft_config=peft_config, trust_remote_code=trust_remote_code)
+        self.loss_terms = LossTerms(check_top_entropy_quantile(top_entropy_quantile, forward), router_coef)
         self._tokenizer = load_tokenizer(tokenizer_source(model, tokenizer), trust_remote_code=trust_remote_code)
         self.model_info = read_model_info(model, trust_remote_code=trust_remote_code)
         # The weights are built in configure_model (where a strategy can shard them). A model
         # object is held in a tuple until then, so it is not registered as a submodule twice.
         self._model_source: tuple[Any] = (model,)
         self.model_settings = ModelSettings(model_init_kwargs, trust_remote_code, dtype, gradient_checkpointing,
-                                            disable_dropout, peft_config, quantization_config)
+                                            disable_dropout, peft_config, quantization_config, cast_lm_head_to_fp32)
         #: The frozen reference model (a submodule once built); ``None`` when ``beta == 0`` and with
         #: ``peft_config`` (the policy with adapters disabled): :meth:`reference_context` yields either.
         self.ref_policy: torch.nn.Module | None = None
@@ -131,6 +149,10 @@ class GRPOModule(pl.LightningModule):
         self.warmup_steps = warmup_steps
         self.warmup_ratio = warmup_ratio
         self.entropy_coef = entropy_coef
+        #: Set by an entropy controller (``AdaptiveEntropy``): each optimizer step's loss-token entropies,
+        #: and the value logged as ``entropy_coef`` (its coefficient; the applied one may be gated to 0).
+        self.entropy_window: EntropyWindow | None = None
+        self.entropy_coef_metric: float | None = None
         self.output_dir = output_dir
         self.save_final_model = save_final_model
         self.forward_options = forward
@@ -217,18 +239,8 @@ class GRPOModule(pl.LightningModule):
     def rollout_logprobs(self, batch: RolloutBatch, *, reference: bool, chunk_size: int) -> torch.Tensor:
         """No-grad completion log-probs under the current policy or the reference, ``(B, T)``."""
         with self.reference_context() if reference else nullcontext(self.policy) as model:
-            if self.forward_options.logprob_token_budget is not None:
-                chunk_size = len(batch)  # the forward groups rows by tokens itself
-            chunks = []
-            for start in range(0, len(batch), chunk_size):
-                rows = slice(start, start + chunk_size)
-                with self.precision_context():  # the numerics of the training forward
-                    logps, _ = completion_logprobs(
-                        model, batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
-                        batch.completion_mask[rows], batch.temperature, with_entropy=False, options=self.forward_options,
-                    )
-                chunks.append(logps)
-            return torch.cat(chunks)
+            return rows_logprobs(model, batch, chunk_size, self.forward_options, self.precision_context,
+                                 completion_logprobs)
 
     # ----------------------------------------------------------------------- training
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -254,34 +266,14 @@ class GRPOModule(pl.LightningModule):
 
     def _policy_loss(self, batch: RolloutBatch, totals: MicroBatchTotals | None) -> LossOutput:
         """The loss of ``batch`` (a micro-batch, or the part of one whose ``totals`` are given)."""
-        logps, entropies = completion_logprobs(
-            self.policy,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.completion_ids,
-            batch.completion_mask,
-            batch.temperature,
-            entropy_requires_grad=self.entropy_coef != 0,
-            options=self.forward_options,
-        )  # (B, T), (B, T)
-        return self.loss(
-            LossInputs(
-                logps=logps,
-                old_logps=batch.old_logps,
-                advantages=batch.advantages,
-                mask=batch.loss_mask,
-                ref_logps=batch.ref_logps,
-                sampling_logps=batch.sampling_logps,
-                sampling_is_weights=batch.sampling_is_weights,
-                entropies=entropies,
-                num_items_in_batch=batch.num_items_in_batch,
-                max_completion_length=batch.max_completion_length,
-                num_processes=self.trainer.world_size,
-                gradient_accumulation_steps=batch.accumulation_steps or self.trainer.accumulate_grad_batches,
-                entropy_coef=self.entropy_coef,
-                totals=totals,
-            )
-        )
+        scored = score_batch(self.policy, batch, self.forward_options, self.loss_terms,  # (B, T) logps, entropies
+                             entropy_requires_grad=self.entropy_coef != 0, all_reduce=world_sum(self.trainer.world_size))
+        if self.entropy_window is not None and self.trainer.training and scored.entropies is not None:
+            self.entropy_window.add(scored.entropies, batch.loss_mask, scored.entropy_mask)
+        accumulation = batch.accumulation_steps or self.trainer.accumulate_grad_batches
+        out = self.loss(loss_inputs(batch, scored, self.trainer.world_size, accumulation, self.entropy_coef, totals))
+        share = 1.0 if totals is None else len(batch) / totals.rows
+        return add_router_aux_loss(out, scored.aux_loss, self.loss_terms.router_aux_loss_coef, accumulation, share)
 
     # --------------------------------------------------------------------- evaluation
     def validation_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -347,8 +339,7 @@ class GRPOModule(pl.LightningModule):
             "grad_norm": self._grad_norm,
             "learning_rate": optimizer.param_groups[0]["lr"],
         }
-        if self.entropy_coef != 0:
-            once["entropy_coef"] = float(self.entropy_coef)
+        once.update(entropy_coef_metrics(self.entropy_coef, self.entropy_coef_metric))
         self.step_metrics = self._metrics.close_step(once)
         for name, value in self.step_metrics.items():
             self.log(name, value, logger=False, prog_bar=name in ("reward", "loss"), on_step=True, on_epoch=False,

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from grpo_lightning.module.fp32_head import cast_lm_head_to_fp32
 from grpo_lightning.module.model_loading import frozen, load_policy, zero_dropout
 from grpo_lightning.module.peft_models import prepare_quantized, with_adapters
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings
@@ -33,12 +34,14 @@ class ModelSettings:
     disable_dropout: bool = False
     peft_config: LoRASettings | None = None
     quantization_config: QuantizationSettings | None = None
+    cast_lm_head_to_fp32: bool = False
 
     def load(self, source: str | torch.nn.Module, *, quantized: bool = True) -> torch.nn.Module:
         kwargs = dict(self.model_init_kwargs or {})
         if quantized and self.quantization_config is not None:
             kwargs["quantization_config"] = self.quantization_config.to_transformers()
-        return load_policy(source, model_init_kwargs=kwargs, trust_remote_code=self.trust_remote_code, dtype=self.dtype)
+        model = load_policy(source, model_init_kwargs=kwargs, trust_remote_code=self.trust_remote_code, dtype=self.dtype)
+        return cast_lm_head_to_fp32(model) if self.cast_lm_head_to_fp32 else model
 
 
 @dataclass
@@ -57,7 +60,9 @@ def build_models(
     The reference is a fresh load of a path (as TRL) or a deep copy of a model object (an object
     modified in memory is not what its path holds, spec §14.12). With an FSDP2 ``mesh`` both are
     sharded block by block. With ``settings.peft_config`` the policy gets LoRA adapters (after a
-    quantized load, peft's k-bit preparation) and ``with_reference`` builds nothing.
+    quantized load, peft's k-bit preparation) and ``with_reference`` builds nothing. With
+    ``settings.cast_lm_head_to_fp32`` every model loaded (policy, reference, PEFT export base) has
+    a float32 head; a deep-copied reference keeps the policy's.
     """
     policy = settings.load(source)
     if settings.quantization_config is not None:
