@@ -40,7 +40,8 @@ MLFLOW_LOGGER = "lightning.pytorch.loggers.MLFlowLogger"
 EPILOG = (
     f"A bad setting, file or data prints one error message; set {DEBUG_ENV}=1 to see the full traceback. "
     "A run folder (trainer.default_root_dir) holds one run: resume it with --ckpt_path, or pass "
-    "--overwrite_run_dir true to write over it."
+    "--overwrite_run_dir true to write over it. `grpo plot RUN_DIR` draws a run's curves to a PNG "
+    "(`grpo plot --help`)."
 )
 # The trainer of the run `main` is executing: errors after its first optimizer step keep their traceback.
 _current_trainer: ContextVar[Any] = ContextVar("grpo_current_trainer", default=None)
