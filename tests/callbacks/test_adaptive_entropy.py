@@ -167,3 +167,32 @@ def test_resume_after_step_three_continues_the_coefficient(run_inputs):
         # one micro-step per optimizer step: the controller's entropy is the logged one
         assert got["measured"] == pytest.approx(got["entropy"], rel=1e-6)
     assert "policy_loss" in resumed[0]  # the restored last entropy keeps the bonus on at once
+
+
+def test_the_settings_parse_from_yaml(run_inputs, capsys):
+    """The seed's adaptive-entropy example as a ``grpo fit`` config: every key has a home."""
+    import yaml
+
+    from grpo_lightning.cli import main
+
+    config = {
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "callbacks": [
+            {"class_path": "grpo_lightning.callbacks.AdaptiveEntropy",
+             "init_args": {"entropy_target": 5.0, "entropy_coef_delta": 0.005, "entropy_coef_min": 0.0,
+                           "entropy_coef_max": 1.0}}]},
+        "model": {"model": str(run_inputs / "model"), "entropy_coef": 0.01, "top_entropy_quantile": 0.2,
+                  "cast_lm_head_to_fp32": True, "router_aux_loss_coef": None},
+        "data": {"dataset": str(run_inputs / "p.jsonl"), "reward_funcs": ["tests.helpers.length_reward"]},
+    }
+    path = run_inputs / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model = printed["model"]
+    assert (model["entropy_coef"], model["top_entropy_quantile"], model["cast_lm_head_to_fp32"]) == (0.01, 0.2, True)
+    assert model["router_aux_loss_coef"] is None
+    (callback,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("AdaptiveEntropy")]
+    assert callback["init_args"] == {"entropy_target": 5.0, "entropy_coef_delta": 0.005, "entropy_coef_min": 0.0,
+                                     "entropy_coef_max": 1.0}
