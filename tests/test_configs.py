@@ -135,3 +135,41 @@ def test_default_loss_and_sampler_are_fresh_instances(tmp_path):
     data = [RolloutDataModule(prompts, reward_funcs=[length_reward]) for _ in range(2)]
     assert type(data[0].sampler) is HFGenerateSampler and data[0].sampler is not data[1].sampler
     assert type(RolloutDataModule(prompts, reward_funcs=[length_reward], sampler="hf_generate").sampler) is HFGenerateSampler
+
+
+# The GPU strategy recipes (configs/strategy/) are composed with a training recipe, not run alone:
+# tests/module/test_strategies.py parses each composition and builds its strategy on CPU; here they
+# train. Lightning runs FSDP and DeepSpeed on CUDA only, so on a CPU machine this is skipped (the
+# DeepSpeed path's CPU check with DeepSpeed's own CPU engine is tests/module/test_deepspeed.py).
+STRATEGY_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "strategy").glob("*.yaml"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", STRATEGY_CONFIGS, ids=lambda p: p.name)
+def test_strategy_config_trains_on_a_gpu(strategy, tmp_path, monkeypatch):
+    """quickstart + the strategy recipe: 3 optimizer steps on one GPU, a finite loss, and a
+    consolidated export that transformers loads."""
+    import importlib.util
+    import math
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("FSDP and DeepSpeed train on CUDA only: this machine has no CUDA device")
+    if "deepspeed" in strategy.name and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (pip install 'grpo-lightning[deepspeed]')")
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lightning.cli import run_cli
+
+    monkeypatch.chdir(strategy.parents[2])
+    run = tmp_path / "run"
+    cli = run_cli(["fit", "--config", "configs/quickstart.yaml", "--config", str(strategy), "--trainer.devices", "1",
+                   "--trainer.max_steps", "3", "--trainer.accumulate_grad_batches", "2", "--data.steps_per_generation", "2",
+                   "--trainer.default_root_dir", str(run), "--trainer.logger", "false",
+                   "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 3 and math.isfinite(cli.model.step_metrics["loss"])
+    assert math.isfinite(cli.model.step_metrics["grad_norm"]) and cli.model.step_metrics["grad_norm"] > 0
+    exported = AutoModelForCausalLM.from_pretrained(run / "final_model")
+    assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in
+                                                                 AutoModelForCausalLM.from_pretrained("examples/arithmetic/model").parameters())

@@ -15,6 +15,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
+from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
@@ -27,7 +28,7 @@ from grpo_lightning.module.model_loading import CausalLM, check_model_sources, l
 from grpo_lightning.module.optimizer_settings import build_optimizer, check_optimizer_settings
 from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
-from grpo_lightning.module.sharding import full_state_dict, gathered_weights
+from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
@@ -178,8 +179,8 @@ class GRPOModule(pl.LightningModule):
             return
         mesh = data_parallel_mesh(getattr(self, "_device_mesh", None))
         built = build_models(self._model_source[0], self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
-        if mesh is not None:
-            self.forward_options = self.forward_options.under_fsdp2()
+        if sharded := "FSDP2" if mesh is not None else plain_forward_reason(self._trainer and self.trainer.strategy):
+            self.forward_options = self.forward_options.under_fsdp2(sharded)
         self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
         self.ref_policy, self._load_base = built.reference, built.load_base
         self._model_source = (None,)  # the policy now holds it
@@ -197,6 +198,7 @@ class GRPOModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.forward_options.check_strategy(type(self.trainer.strategy).__name__)
+        check_strategy_setup(self.trainer, adapters=self.model_settings.peft_config is not None)
 
     # ----------------------------------------------------------------- PolicyHandle protocol
     @property
@@ -228,7 +230,7 @@ class GRPOModule(pl.LightningModule):
 
     def generation_context(self) -> ContextManager[None]:
         """Whole policy weights inside the block (FSDP2 unshard, ZeRO-3 gather); else a no-op."""
-        return gathered_weights(self.policy)
+        return generation_weights(self.policy, self._trainer and self.trainer.strategy)
 
     def reference_context(self) -> ContextManager[torch.nn.Module]:
         """Yields the reference model for the block: ``ref_policy``, or under ``peft_config`` the
@@ -324,10 +326,18 @@ class GRPOModule(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step's gradients are complete: measure their global norm (before clipping) and
         publish the step's metrics, so callbacks see them in this step's ``on_train_batch_end``."""
+        if self.trainer.strategy.handles_gradient_accumulation:
+            return  # DeepSpeed: called on every micro-step, and the engine measures the norm (optimizer_step)
         unscale_fused_amp_gradients(self.trainer.precision_plugin, optimizer)
         fsdp1 = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # flat shards as plain tensors
         self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=fsdp1)
         self._publish_step_metrics(optimizer)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if deepspeed_step_applied(self.trainer):  # the micro-step that ended DeepSpeed's window
+            self._grad_norm = deepspeed_grad_norm(self.trainer)
+            self._publish_step_metrics(optimizer)
 
     def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
         loss = self._metrics.loss
@@ -379,7 +389,7 @@ class GRPOModule(pl.LightningModule):
 
         Collective under sharding: every rank gathers its shards, global rank 0 writes. A PEFT
         policy: the merged model in ``directory``, the adapter in ``directory/adapter``."""
-        state = full_state_dict(self.policy)
+        state = full_state_dict(self.policy, self._trainer and self.trainer.strategy)
         if self._trainer is not None and not self.trainer.is_global_zero:
             return
         export_policy(self.policy, state, directory, self.tokenizer, self._load_base,

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from grpo_lightning.types import GenerationParams, PolicyHandle
+from grpo_lightning.utils.zero3 import is_zero3, whole_copy, whole_shape
 
 #: Wrapper prefixes that never appear in a checkpoint name.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -153,14 +154,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict value made whole: a ZeRO-3 parameter gathered alone unless an enclosing
+    gather made it whole already (a collective), an FSDP2 DTensor through ``full_tensor()``."""
+    return whole_copy(value) if is_zero3(value) else _full(value.detach())
+
+
 def _named_weights(model: torch.nn.Module, rename: Any, materialize: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
-    for key, value in model.state_dict(keep_vars=False).items():
+    for key, value in model.state_dict(keep_vars=True).items():  # the parameters themselves (ZeRO-3's carry ds_*)
         name = rename(key)
         if name is None or name in seen:
             continue
         seen.add(name)
-        yield name, (_full(value) if materialize else value).detach()
+        yield name, (_whole(value) if materialize else value)
 
 
 def _renamer(model: torch.nn.Module) -> Any:
@@ -175,7 +182,7 @@ def policy_weight_shapes(handle: PolicyHandle) -> list[tuple[str, torch.dtype, t
     the same order, without gathering anything (a sharded tensor reports its global shape): what a
     weight transfer announces before it sends."""
     model = handle.policy
-    return [(name, t.dtype, tuple(t.shape)) for name, t in _named_weights(model, _renamer(model), materialize=False)]
+    return [(name, t.dtype, whole_shape(t)) for name, t in _named_weights(model, _renamer(model), materialize=False)]
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -191,8 +198,9 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
     merged into the base weights for the duration of the block and the base names are yielded
     (adapter tensors skipped); the adapters are unmerged when the block exits, also on an error.
 
-    The iterator is lazy and, under FSDP2, every tensor is gathered with ``full_tensor()`` (a
-    collective): every rank must consume it whole, in the same order. Run it inside
+    The iterator is lazy and, under FSDP2, every tensor is gathered with ``full_tensor()`` (under
+    DeepSpeed ZeRO-3, with ``GatheredParameters``, one tensor at a time): a collective, so every
+    rank must consume it whole, in the same order. Run it inside
     ``handle.generation_context()`` (the WeightSync callback does) so sharded weights are whole.
     Tensors keep the trainer's dtype and device; the engine casts on load.
     """

@@ -1,0 +1,113 @@
+"""Short fits of GRPOModule under GRPODeepSpeedStrategy on CPU, against the single-device run.
+
+    MASTER_PORT=p python tests/module/deepspeed_fit_child.py <model_dir> <prompts> <out_dir>
+
+Lightning refuses DeepSpeed without CUDA (``setup_environment``, the device-index check, and
+``device_rank=None`` for DeepSpeed), so ``CPUDeepSpeed`` lifts exactly those three for this test;
+the rest — DeepSpeed's CPU accelerator, the engine, ZeRO partitioning, Lightning's loop driving it —
+is the real code. Every run: 2 optimizer steps of 2 accumulated micro-batches, the same seed.
+Writes ``<out_dir>/fits.json``: per run, the step metrics seen by a callback on every micro-step
+and the exported weights' largest difference from the single-device run's export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies.ddp import DDPStrategy  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from grpo_lightning.data import RolloutDataModule  # noqa: E402
+from grpo_lightning.losses import DAPOLoss  # noqa: E402
+from grpo_lightning.module import GRPOModule  # noqa: E402
+from grpo_lightning.module.deepspeed_strategy import GRPODeepSpeedStrategy  # noqa: E402
+from grpo_lightning.types import GenerationParams  # noqa: E402
+from tests.helpers import length_reward  # noqa: E402
+
+
+class CPUDeepSpeed(GRPODeepSpeedStrategy):
+    """GRPODeepSpeedStrategy with Lightning's three CUDA-only checks lifted (test only)."""
+
+    def __init__(self, *, engine_divides: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.engine_divides = engine_divides  # the negative control: Lightning's plain backward
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # without DeepSpeedStrategy's CUDA check
+
+    def setup_distributed(self) -> None:
+        self.set_world_ranks()  # without the CUDA device-index check
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)  # DeepSpeed wants a device index
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.engine_divides:
+            kwargs["scale_wrt_gas"] = True
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+class Record(pl.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = {k: pl_module.step_metrics.get(k) for k in ("loss", "grad_norm", "reward")}
+        self.steps.append({"global_step": trainer.global_step, **metrics})
+
+
+def fit(strategy, model_dir: str, prompts: str, out: Path, beta: float) -> list[dict]:
+    pl.seed_everything(3)
+    loss = DAPOLoss(beta=beta)
+    module = GRPOModule(model_dir, loss=loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+                        lr_scheduler_type="constant", gradient_checkpointing=False, output_dir=str(out))
+    data = RolloutDataModule(prompts, reward_funcs=[length_reward], num_generations=4, per_device_train_batch_size=4,
+                             generation=GenerationParams(max_completion_length=6))
+    record = Record()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, strategy=strategy, logger=False,
+                         accumulate_grad_batches=2, gradient_clip_val=1.0, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[record],
+                         default_root_dir=str(out))
+    trainer.fit(module, data)
+    return record.steps
+
+
+def main(model_dir: str, prompts: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    runs = {
+        "single_device": lambda: "auto",
+        "zero3_gather": lambda: CPUDeepSpeed(stage=3, process_group_backend="gloo"),
+        "zero3_sharded": lambda: CPUDeepSpeed(stage=3, process_group_backend="gloo", ds3_gather_for_generation=False),
+        "zero2": lambda: CPUDeepSpeed(stage=2, process_group_backend="gloo"),
+        "zero3_engine_divides": lambda: CPUDeepSpeed(stage=3, process_group_backend="gloo", engine_divides=True),
+    }
+    beta = float(os.environ.get("FIT_BETA", "0.04"))  # a reference model, partitioned like the policy
+    result = {}
+    for name, strategy in runs.items():
+        steps = fit(strategy(), model_dir, prompts, out / name, beta)
+        exported = load_file(out / name / "final_model" / "model.safetensors")
+        result[name] = {"steps": steps, "export": {k: list(v.shape) for k, v in exported.items()},
+                        "dtypes": sorted({str(v.dtype) for v in exported.values()})}
+        if name != "single_device":
+            base = load_file(out / "single_device" / "final_model" / "model.safetensors")
+            result[name]["export_diff"] = max(float((exported[k] - base[k]).abs().max()) for k in base)
+    initial = load_file(Path(model_dir) / "model.safetensors")
+    base = load_file(out / "single_device" / "final_model" / "model.safetensors")
+    result["moved"] = max(float((base[k] - initial[k]).abs().max()) for k in initial)
+    (out / "fits.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
