@@ -1,7 +1,7 @@
 """grpo-lightning: a GRPO trainer for language models on PyTorch Lightning.
 
 ``import grpo_lightning`` loads nothing heavy: the TRL-compatible names below are imported on first
-use (``grpo_lightning.GRPOConfig``).
+use (``grpo_lightning.GRPOConfig``, ``grpo_lightning.GRPOTrainer``, ``grpo_lightning.config_to_yaml``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,11 @@ import importlib
 from typing import Any
 
 # Public name -> module that defines it, imported on first access.
-_LAZY = {"GRPOConfig": "grpo_lightning.trl_compat.config"}
+_LAZY = {
+    "GRPOConfig": "grpo_lightning.trl_compat.config",
+    "GRPOTrainer": "grpo_lightning.trl_compat.trainer",
+    "config_to_yaml": "grpo_lightning.trl_compat.trainer",
+}
 
 __all__ = sorted(_LAZY)
 

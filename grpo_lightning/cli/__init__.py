@@ -222,15 +222,20 @@ def _show_package_logs() -> None:
         package_log.setLevel(logging.INFO)
 
 
-def run_cli(args: list[str] | None = None) -> GRPOLightningCLI:
-    """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object."""
+def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[Any] | None = None) -> GRPOLightningCLI:
+    """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object.
+
+    ``args`` may also be a config dict (``{"fit": {...}}``, what a YAML file holds, Python objects
+    allowed where the types take them: ``grpo_lightning.GRPOTrainer`` runs this way).
+    ``callbacks`` are added to the trainer's callbacks without being part of the config
+    (observers: they are not written to ``config.yaml``)."""
     _show_package_logs()
     # Lightning 2.6 against torch >= 2.10 warns on every run from its own code; nothing to act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     return GRPOLightningCLI(
         GRPOModule,
         RolloutDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS,
         save_config_callback=LogConfigToMLflow,
         save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
         seed_everything_default=42,

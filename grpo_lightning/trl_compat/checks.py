@@ -5,7 +5,7 @@ The conditions are TRL 1.16's (transformers' for the ``TrainingArguments`` part)
 (bf16 support, TF32) are left to the trainer that runs the config. Every error is a
 :class:`~grpo_lightning.errors.ConfigError` (a ``ValueError``, as TRL raises).
 
-Layer L6 (trl_compat): the standard library and ``grpo_lightning.errors`` only.
+Layer L7 (trl_compat): the standard library and ``grpo_lightning.errors`` only.
 """
 
 from __future__ import annotations

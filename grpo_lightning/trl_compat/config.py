@@ -1,6 +1,6 @@
 """``GRPOConfig``: TRL's configuration object, field for field (the seed's list and defaults).
 
-Layer L6 (trl_compat, a front door beside ``cli``): the standard library and
+Layer L7 (trl_compat, a front door beside ``cli``): the standard library and
 ``grpo_lightning.errors`` only, so building one is instant and needs neither torch nor
 transformers.
 

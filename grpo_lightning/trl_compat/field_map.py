@@ -6,7 +6,7 @@ A value is either the dotted YAML key that takes the field (``model.learning_rat
 or ``"not applicable: <reason>"``. Several fields may share a key (``bf16`` and ``fp16`` are both
 ``trainer.precision``).
 
-Layer L6 (trl_compat): the standard library only.
+Layer L7 (trl_compat): the standard library only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ _AE, _RS, _CL = "trainer.callbacks[AdaptiveEntropy]", "trainer.callbacks[RefMode
 _OPT = "model.optimizer"  # a class_path with its init_args (any torch optimizer)
 _VC, _VS = "data.sampler[VLLMColocateSampler]", "data.sampler[VLLMServerSampler]"
 _NO_EVAL_STORE = NOT_APPLICABLE + "evaluation computes GRPO's rewards and metrics, not a compute_metrics over stored predictions"
-_HUB = NOT_APPLICABLE + "the final model is saved to model.output_dir; upload it with huggingface-cli (no Hub push)"
+_HUB = NOT_APPLICABLE + ("read by GRPOTrainer.save_model / push_to_hub (Python); grpo fit saves the final model to "
+                          "<run folder>/final_model, upload it with huggingface-cli")
 _LOADER = NOT_APPLICABLE + "rollouts are built in the training process right before use (no DataLoader workers)"
 _DDP = "trainer.strategy"  # DDPStrategy(init_args: find_unused_parameters, static_graph, timeout, ...)
 _SCRIPT = NOT_APPLICABLE + "a script flag of HF's example scripts; grpo fit / grpo validate choose what runs"
@@ -118,7 +119,7 @@ FIELD_TO_YAML: dict[str, str] = {
     "dataloader_in_order": _LOADER,
     "remove_unused_columns": NOT_APPLICABLE + "every dataset column reaches the reward functions",
     "label_names": NOT_APPLICABLE + "GRPO batches have no labels",
-    "train_sampling_strategy": "data.shuffle_dataset",
+    "train_sampling_strategy": NOT_APPLICABLE + "TRL's GRPO sampler ignores it: shuffle_dataset decides the order",
     "length_column_name": NOT_APPLICABLE + "no group_by_length sampling",
     "ddp_find_unused_parameters": _DDP,
     "ddp_bucket_cap_mb": _DDP,
@@ -134,7 +135,8 @@ FIELD_TO_YAML: dict[str, str] = {
     "do_train": _SCRIPT,
     "do_eval": _SCRIPT,
     "do_predict": _SCRIPT,
-    "resume_from_checkpoint": "ckpt_path",
+    "resume_from_checkpoint": NOT_APPLICABLE + ("a script flag the HF Trainer does not read: pass "
+                                                "GRPOTrainer.train(resume_from_checkpoint=...); grpo fit: --ckpt_path"),
     "local_rank": NOT_APPLICABLE + "set by the launcher (torchrun, SLURM), read by Lightning",
     # GRPO fields
     "model_init_kwargs": "model.model_init_kwargs",
@@ -198,7 +200,7 @@ FIELD_TO_YAML: dict[str, str] = {
     "entropy_coef_max": f"{_AE}.init_args.entropy_coef_max",
     "entropy_coef_delta": f"{_AE}.init_args.entropy_coef_delta",
     "entropy_target": f"{_AE}.init_args.entropy_target",
-    "max_tool_calling_iterations": "data.agent",
+    "max_tool_calling_iterations": "data.agent.max_tool_calling_iterations",
     "vllm_importance_sampling_correction": "data.importance_sampling.enabled",
     "vllm_importance_sampling_mode": "data.importance_sampling.mode",
     "vllm_importance_sampling_clip_max": "data.importance_sampling.clip_max",

@@ -1,6 +1,6 @@
 """A field with its help text, as every field of :class:`~grpo_lightning.trl_compat.GRPOConfig` is declared.
 
-Layer L6 (trl_compat): the standard library only.
+Layer L7 (trl_compat): the standard library only.
 """
 
 from __future__ import annotations

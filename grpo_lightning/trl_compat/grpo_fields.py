@@ -2,7 +2,7 @@
 
 Where each field goes in a ``grpo fit`` config: :data:`grpo_lightning.trl_compat.field_map.FIELD_TO_YAML`.
 
-Layer L6 (trl_compat): the standard library only.
+Layer L7 (trl_compat): the standard library only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and with its defaults (TRL's overrides applied: ``learning_rate`` 1e-6, ``loggin
 
 Where each field goes in a ``grpo fit`` config: :data:`grpo_lightning.trl_compat.field_map.FIELD_TO_YAML`.
 
-Layer L6 (trl_compat): the standard library only.
+Layer L7 (trl_compat): the standard library only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,292 @@
+"""Hugging Face ``TrainerCallback``s in a Lightning run, and TRL's ``log_history``.
+
+``TrainerCallbacks`` is a Lightning callback that keeps ``log_history`` (one dict per logging step,
+with ``step``, as ``Trainer.state.log_history``) and calls the HF callbacks it holds at the Lightning
+hooks that match their events (``EVENTS``), with a ``transformers.TrainerState`` kept current and a
+``TrainerControl`` whose ``should_training_stop`` stops the run (``trainer.should_stop``). A callback
+that implements an event without a Lightning equivalent (``UNSUPPORTED``) is refused before
+training, naming the event.
+
+In YAML (``grpo fit``)::
+
+    trainer:
+      callbacks:
+        - class_path: grpo_lightning.trl_compat.callbacks.TrainerCallbacks
+          init_args: {callbacks: [my_pkg.callbacks.MyCallback], args: {logging_steps: 1}}
+
+Layer L7 (trl_compat).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers.logger import Logger
+
+from grpo_lightning.errors import ConfigError
+from grpo_lightning.rewards.loading import import_dotted_path
+
+log = logging.getLogger(__name__)
+
+#: HF event -> the Lightning moment it is called at.
+EVENTS = {
+    "on_init_end": "setup (once, before training or evaluation starts)",
+    "on_train_begin": "on_train_start",
+    "on_train_end": "on_train_end",
+    "on_epoch_begin": "on_train_epoch_start",
+    "on_epoch_end": "on_train_epoch_end",
+    "on_step_begin": "on_train_batch_start of an optimizer step's first micro-batch",
+    "on_substep_end": "on_train_batch_end of a micro-batch that does not end an optimizer step",
+    "on_step_end": "on_train_batch_end of the micro-batch that ends an optimizer step",
+    "on_log": "each time the step (or evaluation) metrics are logged, with logs= those metrics",
+    "on_evaluate": "on_validation_end, with metrics= the evaluation's eval_* metrics",
+    "on_save": "on_save_checkpoint (while a checkpoint is written)",
+    "on_push_begin": "GRPOTrainer.push_to_hub, before the upload",
+}
+UNSUPPORTED = {
+    "on_pre_optimizer_step": "Lightning clips gradients after its last hook before the optimizer step, so nothing "
+                             "runs where HF calls it (after clipping)",
+    "on_optimizer_step": "Lightning has no hook between the optimizer step and zero_grad",
+    "on_predict": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
+    "on_prediction_step": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
+}
+
+
+def implemented_events(callback: Any) -> list[str]:
+    """The ``on_*`` events ``callback`` (an instance or a class) implements itself."""
+    cls = callback if inspect.isclass(callback) else type(callback)
+    base = _hf_base()
+    events = []
+    for name in (*EVENTS, *UNSUPPORTED):
+        method = getattr(cls, name, None)
+        if method is not None and (base is None or not issubclass(cls, base) or method is not getattr(base, name)):
+            events.append(name)
+    return events
+
+
+def _hf_base() -> Any:
+    try:
+        from transformers.trainer_callback import TrainerCallback
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return TrainerCallback
+
+
+def check_callback(callback: Any, where: str) -> None:
+    """Refuse a callback that implements an event with no Lightning equivalent."""
+    bad = [e for e in implemented_events(callback) if e in UNSUPPORTED]
+    if bad:
+        name = getattr(callback, "__name__", type(callback).__name__)
+        reasons = "; ".join(f"{e}: {UNSUPPORTED[e]}" for e in bad)
+        raise ConfigError(f"{where} ({name}) implements {', '.join(bad)}, which grpo-lightning cannot call ({reasons}). "
+                          f"Supported events: {', '.join(EVENTS)}; or write a Lightning callback.")
+
+
+class _Recorder(Logger):
+    """A logger that hands every ``log_metrics`` call to its callback (added to ``trainer.loggers``)."""
+
+    def __init__(self, owner: "TrainerCallbacks") -> None:
+        super().__init__()
+        self.owner = owner
+
+    @property
+    def name(self) -> str:
+        return "log_history"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.owner.record(metrics, step)
+
+
+class TrainerCallbacks(pl.Callback):
+    """TRL's ``log_history`` and Hugging Face ``TrainerCallback``s in a Lightning run.
+
+    Args:
+        callbacks: HF callbacks: dotted paths of classes (built without arguments), classes, or
+            instances (from Python). Each event it implements is called at the matching Lightning
+            hook (see ``grpo_lightning.trl_compat.callbacks.EVENTS``).
+        args: ``GRPOConfig`` fields (those that differ from the defaults) for the ``args`` the
+            callbacks receive.
+    """
+
+    def __init__(self, callbacks: list[Any] | None = None, args: dict[str, Any] | None = None) -> None:
+        from grpo_lightning.trl_compat.config import GRPOConfig
+
+        self.callbacks = [self._build(c, i) for i, c in enumerate(callbacks or [])]
+        self.args = args if isinstance(args, GRPOConfig) else GRPOConfig(**(args or {}))
+        #: One dict per log: the logged metrics, ``epoch`` and ``step`` (HF's ``state.log_history``).
+        self.log_history: list[dict[str, Any]] = []
+        self.step_losses: list[float] = []
+        self.state: Any = None
+        self.control: Any = None
+        if self.callbacks:
+            from transformers.trainer_callback import TrainerControl, TrainerState
+
+            self.state, self.control = TrainerState(log_history=self.log_history), TrainerControl()
+        self._trainer: Any = None
+        self._module: Any = None
+        self._initialised = False
+        self._step_open = False
+        self._last_step = -1
+        self._epoch = 0.0  # fractional, as transformers counts: epochs done + this epoch's share of batches
+        self._eval_logs: dict[str, float] = {}
+        self._started = 0.0
+        self._warned: set[str] = set()
+
+    @staticmethod
+    def _build(callback: Any, i: int) -> Any:
+        if isinstance(callback, str):
+            callback = import_dotted_path(callback)
+        check_callback(callback, f"callbacks[{i}]")
+        return callback() if inspect.isclass(callback) else callback
+
+    @property
+    def state_key(self) -> str:
+        return "TrainerCallbacks"
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer, self._module = trainer, pl_module
+        if not any(isinstance(lg, _Recorder) for lg in trainer.loggers):
+            trainer.loggers = [*trainer.loggers, _Recorder(self)]
+        if not self._initialised:
+            self._initialised = True
+            self._fire("on_init_end")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._started = time.perf_counter()
+        self._last_step = trainer.global_step
+        self._fire("on_train_begin")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fire("on_epoch_begin")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._step_open:
+            self._step_open = True
+            self._fire("on_step_begin")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        batches = trainer.num_training_batches
+        fraction = (batch_idx + 1) / batches if isinstance(batches, int) and batches else 0.0
+        self._epoch = trainer.current_epoch + fraction
+        if trainer.global_step == self._last_step:
+            self._fire("on_substep_end")
+            return
+        self._last_step, self._step_open = trainer.global_step, False
+        loss = (getattr(pl_module, "step_metrics", None) or {}).get("loss")
+        if loss is not None:
+            self.step_losses.append(float(loss))
+        self._fire("on_step_end")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fire("on_epoch_end")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_logs = {}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and self._eval_logs:
+            self._fire("on_evaluate", metrics=dict(self._eval_logs))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._fire("on_save")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        runtime = time.perf_counter() - self._started
+        summary = {"train_runtime": runtime, "train_steps_per_second": trainer.global_step / runtime if runtime else 0.0,
+                   "train_loss": sum(self.step_losses) / len(self.step_losses) if self.step_losses else float("nan"),
+                   "epoch": self.epoch, "step": trainer.global_step}
+        self.log_history.append(summary)
+        self._fire("on_train_end")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"log_history": list(self.log_history), "step_losses": list(self.step_losses)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.log_history[:] = state_dict.get("log_history", [])
+        self.step_losses[:] = state_dict.get("step_losses", [])
+
+    # ------------------------------------------------------------------ logs
+    @property
+    def epoch(self) -> float:
+        return float(self._epoch)
+
+    def record(self, metrics: dict[str, float], step: int | None) -> None:
+        """One ``log_metrics`` call: appended to ``log_history``; ``on_log`` is called with it."""
+        trainer = self._trainer
+        if trainer is not None and trainer.sanity_checking:
+            return
+        logs = {k: float(v) for k, v in metrics.items()}
+        if any(k.startswith("eval_") for k in logs):
+            self._eval_logs.update(logs)
+        logs["epoch"] = self.epoch  # transformers' fractional epoch (the loggers get the epoch number)
+        self.log_history.append({**logs, "step": int(step if step is not None else trainer.global_step)})
+        self._fire("on_log", logs=logs)
+
+    # ------------------------------------------------------------------ HF events
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        if not self.callbacks:
+            return
+        self._sync_state()
+        extra = self._objects()
+        for callback in self.callbacks:
+            handler = getattr(callback, event, None)
+            if handler is None:
+                continue
+            result = handler(self.args, self.state, self.control, **extra, **kwargs)
+            if result is not None:
+                self.control = result
+        self._apply_control(event)
+
+    def push_begin(self) -> None:
+        """``on_push_begin`` (called by ``GRPOTrainer.push_to_hub``)."""
+        self._fire("on_push_begin")
+
+    def _sync_state(self) -> None:
+        state, trainer, args = self.state, self._trainer, self.args
+        state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+        state.train_batch_size, state.num_train_epochs = args.per_device_train_batch_size, args.num_train_epochs
+        if trainer is None:
+            return
+        state.global_step, state.epoch = trainer.global_step, self.epoch
+        if trainer.max_steps and trainer.max_steps > 0:
+            state.max_steps = trainer.max_steps
+        state.is_world_process_zero = trainer.is_global_zero
+        state.is_local_process_zero = trainer.local_rank == 0
+
+    def _objects(self) -> dict[str, Any]:
+        module, trainer = self._module, self._trainer
+        out: dict[str, Any] = {}
+        if module is not None:
+            out["model"] = getattr(module, "policy", None)
+            out["processing_class"] = getattr(module, "tokenizer", None)
+        if trainer is not None and trainer.optimizers:
+            out["optimizer"] = trainer.optimizers[0]
+            configs = trainer.lr_scheduler_configs
+            out["lr_scheduler"] = configs[0].scheduler if configs else None
+        return out
+
+    def _apply_control(self, event: str) -> None:
+        control = self.control
+        if control.should_training_stop and self._trainer is not None:
+            self._trainer.should_stop = True
+        for flag in ("should_epoch_stop", "should_save", "should_evaluate", "should_log"):
+            if getattr(control, flag):
+                setattr(control, flag, False)
+                if flag not in self._warned:
+                    self._warned.add(flag)
+                    log.warning("A TrainerCallback set control.%s in %s: it has no effect here (only "
+                                "should_training_stop does; saving, evaluating and logging follow the settings).",
+                                flag, event)
