@@ -92,6 +92,9 @@ class Rollout:
     tool_mask: list[int] | None = None
     # Extra per-rollout fields handed to reward functions as columns (e.g. from an agent loop).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Extra model inputs of the prompt (images: ``pixel_values``, ``image_grid_thw``, ...): a
+    # one-row :class:`RowInputs`; every completion of a prompt carries its own.
+    model_inputs: "RowInputs | None" = None
 
 
 @dataclass
@@ -132,6 +135,8 @@ class RolloutBatch:
     # short last window of an epoch (Lightning steps the optimizer at the epoch's end). None: the
     # trainer's ``accumulate_grad_batches``.
     accumulation_steps: int | None = None
+    # Per-row extra model inputs (images) that every forward of these rows takes; None: text only.
+    model_inputs: "RowInputs | None" = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -149,6 +154,8 @@ class RolloutBatch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.model_inputs is not None:
+            moved["model_inputs"] = self.model_inputs.to(device)
         return replace(self, **moved)
 
     def select_rows(self, rows: torch.Tensor) -> "RolloutBatch":
@@ -162,6 +169,8 @@ class RolloutBatch:
         for name in _COMPLETION_WIDTH_TENSORS:
             if name in picked:
                 picked[name] = picked[name][:, :completion_width]
+        if self.model_inputs is not None:
+            picked["model_inputs"] = self.model_inputs.select(rows.tolist())
         weights = picked.get("sampling_is_weights")
         if weights is not None and weights.shape[1] > 1:
             picked["sampling_is_weights"] = weights[:, :completion_width]
@@ -174,6 +183,54 @@ _ROW_TENSORS = (
     "tool_mask", "old_logps", "ref_logps", "sampling_logps", "sampling_is_weights",
 )  # fmt: skip
 _COMPLETION_WIDTH_TENSORS = ("completion_ids", "completion_mask", "tool_mask", "old_logps", "ref_logps", "sampling_logps")
+
+
+@dataclass
+class RowInputs:
+    """Extra model inputs of a batch's rows (images), kept per row so that they follow the rows
+    through shuffling, micro-batch splitting, replay and token-budget groups.
+
+    ``rows[name][i]`` is row ``i``'s value of the processor output ``name`` for its prompt alone:
+    flattened fields as the processor gives them for one prompt (Qwen-VL's ``pixel_values``
+    ``(patches_i, D)`` and ``image_grid_thw`` ``(images_i, 3)``), batch-first fields with their
+    batch dim of 1 (Idefics3's ``pixel_values`` ``(1, images_i, 3, H, W)``), and the fields aligned
+    with the prompt tokens (``token_fields``, e.g. ``mm_token_type_ids``) as ``(Lp_i,)``.
+    """
+
+    rows: dict[str, list[torch.Tensor]]
+    token_fields: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(next(iter(self.rows.values()), []))
+
+    def select(self, rows: Sequence[int]) -> "RowInputs":
+        return RowInputs({k: [v[i] for i in rows] for k, v in self.rows.items()}, self.token_fields)
+
+    def to(self, device: torch.device | str) -> "RowInputs":
+        return RowInputs({k: [t.to(device) for t in v] for k, v in self.rows.items()}, self.token_fields)
+
+    def collate(self, prompt_width: int, completion_width: int = 0) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments for all rows: token fields left-padded to ``prompt_width``
+        and extended by ``completion_width`` zeros ``(B, Tp+T)``; the others concatenated along
+        dim 0, trailing dims zero-padded to the largest row (Idefics3: absent images are zeros)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, values in self.rows.items():
+            if name in self.token_fields:
+                padded = values[0].new_zeros((len(values), prompt_width + completion_width))
+                for i, v in enumerate(values):
+                    padded[i, prompt_width - v.shape[0] : prompt_width] = v
+                out[name] = padded
+                continue
+            shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+            parts = []
+            for v in values:
+                if list(v.shape[1:]) != shape:
+                    grown = v.new_zeros((v.shape[0], *shape))
+                    grown[(slice(None), *(slice(0, n) for n in v.shape[1:]))] = v
+                    v = grown
+                parts.append(v)
+            out[name] = torch.cat(parts)
+        return out
 
 
 @dataclass

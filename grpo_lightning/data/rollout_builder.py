@@ -21,7 +21,8 @@ from grpo_lightning.data.agent_wiring import gathered_tool_metrics, start_agent_
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
-from grpo_lightning.data.prompt_format import check_context_length, decode_completions, tokenize_prompt
+from grpo_lightning.data.multimodal import attach_model_inputs, check_sampler_images, encode_row_prompt, row_inputs_of
+from grpo_lightning.data.prompt_format import check_context_length, decode_completions
 from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sampling import generate_checked, with_rollout_fields
 from grpo_lightning.data.sources import is_conversational
@@ -177,7 +178,7 @@ class RolloutBuilder:
             prompts, row_ids, tokenizer, s.chat_template_kwargs, s.params.max_completion_length,
             getattr(self.handle, "max_context_length", None),  # None: the model states no limit
         )
-        rollouts = self._generate(prompts, row_ids) if agent is None else agent.generate(self.handle, s, row_ids)
+        rollouts = self._generate(rows, row_ids) if agent is None else agent.generate(self.handle, s, row_ids)
         completion_ids = [r.completion_ids for r in rollouts]
         conversational = is_conversational(prompts[0])
         completions = decode_completions(completion_ids, tokenizer, conversational) if agent is None else agent.completions()
@@ -277,17 +278,21 @@ class RolloutBuilder:
         gathered = {name: self.collective.gather_objects(values) for name, values in columns.items()}
         return CompletionTable(step=self.handle.policy_version, columns=gathered)
 
-    def _generate(self, prompts: list[Any], row_ids: Sequence[int]) -> list[Rollout]:
+    def _generate(self, rows: Sequence[dict[str, Any]], row_ids: Sequence[int]) -> list[Rollout]:
         s, tokenizer = self.settings, self.handle.tokenizer
+        encode = lambda i: encode_row_prompt(rows[i], row_ids[i], tokenizer, s.chat_template_kwargs)  # noqa: E731
         # Consecutive rows of the same prompt form runs; whole groups are generated with
         # num_generations per prompt, a group cut by a rank boundary row by row.
         starts = [i for i in range(len(row_ids)) if i == 0 or row_ids[i] != row_ids[i - 1]]
         runs = [b - a for a, b in zip(starts, starts[1:] + [len(row_ids)])]
         if all(n == s.num_generations for n in runs):
-            unique = [tokenize_prompt(prompts[i], tokenizer, s.chat_template_kwargs) for i in starts]
-            return generate_checked(self.sampler, self.handle, unique, s.num_generations, s.params)
-        per_row = [tokenize_prompt(p, tokenizer, s.chat_template_kwargs) for p in prompts]
-        return generate_checked(self.sampler, self.handle, per_row, 1, s.params)
+            unique = [encode(i) for i in starts]  # images: MultimodalPrompt (ids + pixel inputs)
+            check_sampler_images(self.sampler, unique)
+            return attach_model_inputs(generate_checked(self.sampler, self.handle, unique, s.num_generations, s.params),
+                                       unique, s.num_generations)
+        per_row = [encode(i) for i in range(len(rows))]
+        check_sampler_images(self.sampler, per_row)
+        return attach_model_inputs(generate_checked(self.sampler, self.handle, per_row, 1, s.params), per_row, 1)
 
     def _pad(self, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> RolloutBatch:
         s, tokenizer = self.settings, self.handle.tokenizer
@@ -320,6 +325,7 @@ class RolloutBuilder:
             max_completion_length=s.params.max_completion_length,
             tool_mask=tool_mask,
             sampling_logps=sampling_logps,
+            model_inputs=row_inputs_of(rollouts),  # images: per-row pixel inputs
         )
         return batch.to(device)
 

@@ -39,14 +39,14 @@ def check_model_sources(model: "str | Any", tokenizer: str | None = None) -> Non
     """
     if isinstance(model, str):
         _check_source("model.model", model)
-    if tokenizer is not None:
+    if isinstance(tokenizer, str):  # else a tokenizer or processor object
         _check_source("model.tokenizer", tokenizer)
         if os.path.isdir(os.path.expanduser(tokenizer)) and not has_tokenizer_files(os.path.expanduser(tokenizer)):
             raise ConfigError(
                 f"model.tokenizer={tokenizer!r} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
                 "point it to a folder saved with tokenizer.save_pretrained, or to a hub id."
             )
-    elif isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
+    elif tokenizer is None and isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
         if not has_tokenizer_files(os.path.expanduser(model)):
             raise ConfigError(
                 f"model.model={model!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): set "
@@ -107,12 +107,15 @@ def load_policy(
         if model_init_kwargs:
             log.warning("model_init_kwargs are ignored when model is an instantiated model.")
         return model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype={dtype!r}: use one of {sorted(_DTYPES)}.")
     kwargs = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     kwargs.update(model_init_kwargs or {})
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model (Qwen-VL, SmolVLM, ...)
+        return AutoModelForImageTextToText.from_pretrained(model, **kwargs)
     return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
@@ -131,10 +134,17 @@ def load_tokenizer(source: "str | Any", *, trust_remote_code: bool = False) -> A
     A tokenizer without a pad token gets its EOS token as pad (as TRL does); one with neither is
     rejected with a clear message, since padding and truncation detection need them.
     """
+    if isinstance(source, str) and is_processor_folder(source):
+        from transformers import AutoProcessor
+
+        source = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     if isinstance(source, str):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    elif getattr(source, "image_processor", None) is not None and getattr(source, "tokenizer", None) is not None:
+        tokenizer = source.tokenizer  # a multimodal processor: its tokenizer, the processor as .processor
+        tokenizer.processor = source  # read by grpo_lightning.data.multimodal.processor_of
     else:
         tokenizer = source
     if tokenizer.eos_token_id is None:
@@ -148,6 +158,15 @@ def load_tokenizer(source: "str | Any", *, trust_remote_code: bool = False) -> A
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def is_processor_folder(source: str) -> bool:
+    """Whether a local folder holds a multimodal processor (``preprocessor_config.json`` or
+    ``processor_config.json``): then it loads with ``AutoProcessor``."""
+    path = os.path.expanduser(source)
+    return os.path.isdir(path) and any(
+        os.path.exists(os.path.join(path, n)) for n in ("preprocessor_config.json", "processor_config.json")
+    )
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:

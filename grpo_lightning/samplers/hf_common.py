@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from grpo_lightning.types import GenerationParams, PolicyHandle, Rollout
+from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout, RowInputs
 from grpo_lightning.utils.checkpointing import is_activation_checkpointing, set_activation_checkpointing
 
 
@@ -70,3 +70,17 @@ def completion_rollout(
     kept_logprobs = None if logprobs is None else [float(x) for x in logprobs[:keep]]
     return Rollout(list(prompt), list(ids[:keep]), ended_on_eos=end is not None, policy_version=version,
                    sampling_logprobs=kept_logprobs)
+
+
+def image_inputs(prompts: Sequence[PromptInput], width: int) -> dict[str, torch.Tensor]:
+    """The extra ``generate`` inputs of image prompts (``model_inputs`` of a ``MultimodalPrompt``):
+    per-row fields collated for ``len(prompts)`` rows left-padded to ``width``; ``{}`` when the
+    prompts are text only. Every prompt of a request must then have images."""
+    inputs = [getattr(p, "model_inputs", None) for p in prompts]
+    if all(i is None for i in inputs):
+        return {}
+    if any(i is None for i in inputs):
+        raise ValueError("a generation request mixes prompts with and without images; give every prompt an image.")
+    token_fields = tuple(getattr(prompts[0], "token_fields", ()))
+    rows = RowInputs({name: [i[name] for i in inputs] for name in inputs[0]}, token_fields)
+    return rows.collate(width)

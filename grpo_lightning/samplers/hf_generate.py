@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode
+from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode, image_inputs
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 
 __all__ = ["HFGenerateSampler", "generation_mode"]
@@ -30,6 +30,8 @@ class HFGenerateSampler(Sampler):
     """
 
     name = "hf_generate"
+    #: Prompts with images (``model_inputs``: pixel values, image grids) are generated with them.
+    supports_images = True
 
     def __init__(self, cache_implementation: str | None = None, max_batch_rows: int | None = None):
         super().__init__()
@@ -44,7 +46,7 @@ class HFGenerateSampler(Sampler):
     def generate(
         self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams
     ) -> list[Rollout]:
-        rows = [list(p) for p in prompts for _ in range(num_generations)]
+        rows = [p for p in prompts for _ in range(num_generations)]  # image prompts keep their inputs
         step = self.max_batch_rows or len(rows)
         config = self.generation_config(params)
         rollouts: list[Rollout] = []
@@ -53,7 +55,7 @@ class HFGenerateSampler(Sampler):
                 rollouts.extend(self._generate_rows(rows[start : start + step], config))
         return rollouts
 
-    def _generate_rows(self, rows: list[list[int]], config: Any) -> list[Rollout]:
+    def _generate_rows(self, rows: list[PromptInput], config: Any) -> list[Rollout]:
         handle = self.handle
         model, tokenizer, device = handle.policy, handle.tokenizer, handle.device
         width = max(len(r) for r in rows)
@@ -63,12 +65,15 @@ class HFGenerateSampler(Sampler):
         for i, ids in enumerate(rows):
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids) :] = 1
+        extra = image_inputs(rows, width)  # (R, ...) pixel inputs of image prompts, else {}
         with generation_mode(model), handle.precision_context():
             sequences = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=config,
+                **{k: v.to(device) for k, v in extra.items()},
             )
         completions = sequences[:, width:].tolist()  # (R, <=max_new_tokens)
         stop = set(handle.eos_token_ids)
-        return [completion_rollout(prompt, ids, stop, handle.policy_version) for prompt, ids in zip(rows, completions)]
+        return [completion_rollout(list(prompt), ids, stop, handle.policy_version)
+                for prompt, ids in zip(rows, completions)]

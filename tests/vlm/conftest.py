@@ -1,0 +1,20 @@
+"""Fixtures of the vision-language tests: a tiny Qwen2-VL and its processor, built offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vlm.tiny_vlm import qwen2_vl_model, qwen2_vl_processor
+
+
+@pytest.fixture(scope="session")
+def qwen_processor(shared_assets):
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    return qwen2_vl_processor(folder)
+
+
+@pytest.fixture
+def qwen_model(qwen_processor):
+    return qwen2_vl_model(qwen_processor.tokenizer).eval()

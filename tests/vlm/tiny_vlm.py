@@ -1,0 +1,84 @@
+"""Tiny vision-language models and processors assembled offline (random weights, no hub).
+
+Qwen2-VL: the Qwen2.5 tokenizer asset (it has ``<|vision_start|>``, ``<|image_pad|>``,
+``<|vision_end|>``), a ``Qwen2VLImageProcessor`` with a small pixel budget, a chat template that
+renders ``{"type": "image"}`` parts as the vision tokens, and a 2-layer model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Qwen2-VL's template, reduced to what the tests use: text and image parts, generation prompt.
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_vl_processor(tokenizer_dir: Path):
+    """A Qwen2-VL processor: 28x28-pixel patches merged 2x2, at most 56x56 pixels per image."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for token in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"):
+        assert tokenizer.convert_tokens_to_ids(token) != tokenizer.unk_token_id, token
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    return _image_only(Qwen2VLProcessor)(image_processor, tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+
+
+def _image_only(processor_cls):
+    """``processor_cls`` without its video processor (which needs torchvision, absent here)."""
+    from transformers import ProcessorMixin
+
+    class ImageOnly(processor_cls):
+        video_processor = None
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+            self.image_token = "<|image_pad|>"
+            self.video_token = "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    ImageOnly.__name__ = processor_cls.__name__
+    return ImageOnly
+
+
+def qwen2_vl_model(tokenizer, seed: int = 0):
+    """A 2-layer Qwen2-VL with a 1-layer vision tower, token ids taken from ``tokenizer``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = text["eos_token_id"]
+    return model.float()
+
+
+def color_image(seed: int, size: tuple[int, int] = (40, 36)):
+    """A small random RGB PIL image."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
