@@ -4,8 +4,9 @@
 #   scripts/gpu_wheels.sh                      # here, once: wheels + tokenizer into .gpu_wheels/
 #   SECTIONS=smoke,paths scripts/gpu_check.sh  # device call 1 (carry .gpu_wheels), ~4 min
 #   SECTIONS=bench scripts/gpu_check.sh        # device call 2, ~6 min
+#   SECTIONS=strategies scripts/gpu_check.sh   # device call 3 (carry .gpu_wheels with DeepSpeed's), ~5 min
 #
-# Sections (default: all three, in this order; a device command may run 10 minutes at most):
+# Sections (default: all, in this order; a device command may run 10 minutes at most):
 #   smoke  bf16-mixed quickstart on CUDA, every loss type with a reference model, prefix sharing
 #   paths  forward paths (plain / chunked / packed / shared, token budgets, LM-head chunk sizes)
 #          on the Qwen2.5-0.5B shape: answers the open GPU questions of docs/benchmarks.md
@@ -16,13 +17,24 @@
 #          subprocess with the NCCL weight transfer, real verified pushes, completion tokens/s per
 #          mode; needs vLLM on the machine (the H200 image has none and a CUDA vLLM wheel with its
 #          torch is far over a device call's 64 MiB carry, so it prints why it skipped there)
+#   strategies  each configs/strategy/ recipe (fsdp, deepspeed_zero2, deepspeed_zero3 with
+#          ds3_gather_for_generation on and off) and a single-device baseline, a few bf16 steps of a
+#          ~150M random Llama on one GPU (scripts/gpu_strategies.py): step time, peak memory,
+#          loss/reward/grad_norm, the export loaded with AutoModelForCausalLM; then the GPU-marked
+#          training of the recipes (tests/test_configs.py, needs jsonargparse and mlflow there).
+#          The image has no DeepSpeed: carry it (a py3-none-any wheel built here) and what it needs:
+#            DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu_wheels
+#            python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#              --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_wheels \
+#              hjson pydantic pydantic-core annotated-types typing-inspection
+#          without them the DeepSpeed runs print that they were skipped
 # Results go to $BENCH_OUT_DIR (default benchmarks/results; on the device machine use $OUT).
 # The machine has no package index: wheels it lacks are carried in .gpu_wheels/ (made by
 # `scripts/gpu_wheels.sh`, git-ignored) and installed without dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-smoke,paths,bench,memory,vllm}
+SECTIONS=${SECTIONS:-smoke,paths,bench,memory,vllm,strategies}
 OUT_DIR=${BENCH_OUT_DIR:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
@@ -70,4 +82,16 @@ fi
 if [[ ,$SECTIONS, == *,vllm,* ]]; then
   echo "== vLLM colocate and server modes on CUDA (random Qwen2 hidden 512 x 8 layers, 16 prompts x 8, 128 tokens)"
   PYTHONUNBUFFERED=1 $PY scripts/vllm_modes.py --device cuda --json "$OUT_DIR/vllm_modes_cuda.json"
+fi
+
+if [[ ,$SECTIONS, == *,strategies,* ]]; then
+  echo "== GPU strategies: single / fsdp / zero2 / zero3 (gather on, off), bf16, ~150M Llama, 4 steps each (writes strategies_cuda.json)"
+  $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2> /dev/null || echo "deepspeed is not installed: the zero* runs are skipped (see the header)"
+  PYTHONUNBUFFERED=1 $PY scripts/gpu_strategies.py --out-dir "$OUT_DIR" ${STRATEGY_ARGS:-} || echo "STRATEGY CHECK FAILED"
+  echo "== the strategy recipes through grpo fit (tests/test_configs.py -m gpu)"
+  if $PY -c "import pytest, jsonargparse, mlflow" 2> /dev/null; then
+    PYTHONUNBUFFERED=1 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_configs.py -k strategy_config || echo "STRATEGY CONFIG TESTS FAILED"
+  else
+    echo "pytest, jsonargparse or mlflow is missing here: the grpo fit runs of the recipes are skipped"
+  fi
 fi
