@@ -44,8 +44,10 @@ import torch
 from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
 from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layout
+from grpo_lightning.module.attention_kernels import SHARED_ROW_TOKENS, kernel_inputs, requested_kernel, resolve_kernel
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.fp32_head import is_fp32_head
+from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
     TokenLayout,
     is_left_padded,
@@ -179,13 +181,15 @@ def _decoder_cost(rows: int, width: int, parts: _ModelParts) -> float:
     return rows * width * (1.0 + width * parts.attention_pair_cost)
 
 
-def _hidden_states(model: torch.nn.Module, parts: _ModelParts, layout: TokenLayout) -> torch.Tensor:
-    """Final (post-norm) hidden states of ``layout``, ``(R, W, H)``."""
+def _hidden_states(model: torch.nn.Module, parts: _ModelParts, layout: TokenLayout, kernel: str = "sdpa_mask") -> torch.Tensor:
+    """Final (post-norm) hidden states of ``layout``, ``(R, W, H)``, attention by ``kernel``."""
+    attention_mask, extra = kernel_inputs(layout, kernel)  # module/attention_kernels.py
     kwargs: dict[str, Any] = dict(
         input_ids=layout.input_ids,
-        attention_mask=layout.attention_mask,
+        attention_mask=attention_mask,
         position_ids=layout.position_ids,
         use_cache=False,
+        **extra,
     )
     if parts.base is not None:
         out = parts.base(**kwargs)
@@ -248,7 +252,7 @@ def _optimized_logprobs(
     if isinstance(parts, str):
         _log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
-    layout = None
+    layout, kernel = None, "sdpa_mask"
     if options.padding_free:
         supported, row_tokens = _packed_row_tokens(parts, options)
         if not supported:
@@ -258,16 +262,21 @@ def _optimized_logprobs(
             )
         else:
             impl, batch = parts.attn_implementation, (prompt_ids, prompt_mask, completion_ids, completion_mask)
-            layout = packed_layout(*batch, row_tokens=row_tokens)
+            wanted = requested_kernel(options.attention_kernel, impl, parts.sliding_window, prompt_ids.device)
+            fast = wanted != "sdpa_mask"  # flex/varlen: one packed row, block-sparse cost
+            layout = packed_layout(*batch, row_tokens=None if fast else row_tokens)
             if options.share_prompt_prefix and impl in _MASKED_ATTENTION and layout is not None:
                 # A shared row is wider (prompt + all its completions): its dense attention can
                 # outweigh the prompt tokens saved (long completions, small models).
                 unshared_cost = _decoder_cost(*layout.input_ids.shape, parts)
                 shared = shared_prefix_layout(
-                    *batch, row_tokens=row_tokens, max_row_tokens=parts.sliding_window, additive_mask=impl == "eager",
-                    accept=lambda rows, width: _decoder_cost(rows, width, parts) < unshared_cost,
+                    *batch, row_tokens=SHARED_ROW_TOKENS if fast else row_tokens, max_row_tokens=parts.sliding_window,
+                    additive_mask=impl == "eager",
+                    accept=None if fast else lambda rows, width: _decoder_cost(rows, width, parts) < unshared_cost,
                 )  # None: no prompt repeats, or not cheaper
                 layout = shared or layout
+            if fast and layout is not None:
+                kernel = resolve_kernel(wanted, prompt_ids.device, shared=layout.attention_mask is not None)
             if layout is None:
                 _log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "
@@ -277,7 +286,8 @@ def _optimized_logprobs(
         layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
     if layout.num_tokens == 0:  # nothing to score: keep the plain path's autograd graph
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
-    hidden = _hidden_states(model, parts, layout)
+    # (the mask path keeps the three-argument call that tests spy on)
+    hidden = _hidden_states(model, parts, layout) if kernel == "sdpa_mask" else _hidden_states(model, parts, layout, kernel)
     return head_logprobs(parts, hidden, layout, completion_ids.shape, temperature, with_entropy,
                          entropy_requires_grad, options)
 
@@ -302,7 +312,7 @@ def head_logprobs(
             layout.target_ids,
             parts.head,
             temperature,
-            chunk_tokens=options.lm_head_chunk_tokens,
+            chunk_tokens=resolve_chunk_tokens(options.lm_head_chunk_tokens, parts.head, hidden),
             logit_scale=parts.logit_scale,
             softcap=parts.softcap,
             with_entropy=with_entropy,

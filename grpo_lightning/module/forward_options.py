@@ -24,7 +24,9 @@ class ForwardOptions:
             logits repay (measured faster than the plain path on CPU and GPU). ``False`` with
             ``padding_free`` keeps every chunk's logits for backward (the plain memory profile).
         lm_head_chunk_tokens: Tokens per LM-head chunk: the head's transient memory is about
-            three ``chunk × V`` fp32 buffers (1024 × 151,936 → ~1.9 GB).
+            three ``chunk × V`` fp32 buffers (1024 × 151,936 → ~1.9 GB). ``"auto"``: on CUDA the
+            fastest of 1K-16K tokens measured once on the real head (within a quarter of the
+            free memory, :mod:`grpo_lightning.module.lm_head_calibration`), 1024 on CPU.
         padding_free: Pack the real tokens of every row end to end (position ids restart per
             sequence, no attention mask) so that no compute goes to padding. Needs an attention
             implementation that isolates packed sequences (``sdpa``, ``eager``, ``flex_attention``,
@@ -46,6 +48,12 @@ class ForwardOptions:
             of at most this many tokens (padded ``rows × width``, or real tokens when
             ``padding_free``), longest rows first and trimmed of padding, instead of one group
             of the rows given. ``None`` keeps the rows given.
+        attention_kernel: Attention kernel of the packed and prompt-shared forwards under
+            ``sdpa``: ``sdpa_mask`` (a materialised mask, no flash kernel), ``flex`` (flex
+            attention with a block mask, compiled on CUDA; no CPU backward), ``varlen`` (torch's
+            flash varlen kernel over the packed sequences, bf16/fp16 CUDA; a shared prompt takes
+            ``flex``), ``auto`` (``varlen``/``flex`` on CUDA, ``sdpa_mask`` elsewhere). With
+            ``flex``/``varlen`` sequences go into one packed row. See docs/gpu.md.
         train_token_budget: When set, each training micro-batch is scored in parts of at most
             this many tokens (sized as for ``logprob_token_budget``), one forward+backward per
             part, so the activation memory follows the budget instead of the micro-batch's row
@@ -54,16 +62,21 @@ class ForwardOptions:
     """
 
     chunked_lm_head: bool = True
-    lm_head_chunk_tokens: int = 1024
+    lm_head_chunk_tokens: int | str = 1024
     padding_free: bool = True
     packed_row_tokens: int | None = None
     share_prompt_prefix: bool = True
     logprob_token_budget: int | None = None
     train_token_budget: int | None = None
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.lm_head_chunk_tokens < 1:
-            raise ValueError(f"forward.lm_head_chunk_tokens={self.lm_head_chunk_tokens}: it must be >= 1.")
+        chunk = self.lm_head_chunk_tokens
+        if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"forward.lm_head_chunk_tokens={chunk!r}: use a token count >= 1 or 'auto'.")
+        kernels = ("auto", "sdpa_mask", "flex", "varlen")
+        if self.attention_kernel not in kernels:
+            raise ValueError(f"forward.attention_kernel={self.attention_kernel!r}: use one of {', '.join(kernels)}.")
         if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
             raise ValueError(
                 f"forward.packed_row_tokens={self.packed_row_tokens}: use a positive token count or null."
