@@ -47,6 +47,7 @@ from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layou
 from grpo_lightning.module.attention_kernels import SHARED_ROW_TOKENS, kernel_inputs, requested_kernel, resolve_kernel
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.fp32_head import is_fp32_head
+from grpo_lightning.module.multimodal_forward import multimodal_logprobs
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
     TokenLayout,
@@ -381,8 +382,9 @@ def completion_logprobs(
     with_entropy: bool = True,
     entropy_requires_grad: bool = False,
     options: ForwardOptions = ForwardOptions(),
+    model_inputs: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of the completion tokens.
+    """Per-token log-probs (and entropies) of the completion tokens (``model_inputs``: rows' images).
 
     Args:
         prompt_ids, prompt_mask: ``(B, Tp)`` left-padded prompts.
@@ -400,6 +402,10 @@ def completion_logprobs(
     Position ids are derived from the attention mask, so left padding does not shift positions:
     the same positions ``generate`` used (TRL passes none, which is equivalent only for RoPE).
     """
+    if model_inputs is not None:  # images: the plain forward with the pixel inputs (explicit fallback)
+        return multimodal_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                                   model_inputs, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
+                                   options=options)
     if options.logprob_token_budget is not None and not torch.is_grad_enabled():
         return _token_budget_pass(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, options

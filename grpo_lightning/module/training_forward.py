@@ -54,12 +54,15 @@ def score_batch(
     args = (policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
             batch.temperature)
     aux = None
+    if terms.router_aux_loss_coef != 0.0 and batch.model_inputs is not None:
+        raise ValueError("router_aux_loss_coef with image inputs is not supported: set it to 0 for this model.")
     if terms.router_aux_loss_coef != 0.0:
         logps, entropies, aux = completion_logprobs_and_router_aux(
             *args, entropy_requires_grad=entropy_requires_grad, options=options
         )
     else:
-        logps, entropies = completion_logprobs(*args, entropy_requires_grad=entropy_requires_grad, options=options)
+        logps, entropies = completion_logprobs(*args, entropy_requires_grad=entropy_requires_grad, options=options,
+                                               model_inputs=batch.model_inputs)  # images: per-row pixel inputs
     entropy_mask = None
     if terms.top_entropy_quantile < 1.0 and entropies is not None:
         entropy_mask = top_entropy_mask(entropies, batch.loss_mask, terms.top_entropy_quantile, all_reduce=all_reduce)
@@ -131,6 +134,7 @@ def rows_logprobs(
             logps, _ = logprobs_of(
                 model, batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
                 batch.completion_mask[rows], batch.temperature, with_entropy=False, options=options,
+                **({} if batch.model_inputs is None else {"model_inputs": batch.model_inputs.select(range(len(batch))[rows])}),
             )
         chunks.append(logps)
     return torch.cat(chunks)
