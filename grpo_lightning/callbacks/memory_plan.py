@@ -135,8 +135,10 @@ def _foreach(optimizers: list[torch.optim.Optimizer]) -> bool:
 
 
 def _strategy_kind(strategy: Any) -> str:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
     name = type(strategy).__name__
-    if name == "DeepSpeedStrategy":
+    if isinstance(strategy, DeepSpeedStrategy):  # also GRPODeepSpeedStrategy
         stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 2)
         return f"deepspeed_stage_{stage}"
     return _STRATEGIES.get(name, "ddp" if "DDP" in name else "single")

@@ -36,6 +36,11 @@ _CHUNK = 1 << 22
 _SHARDED_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
 
 
+def _is_sharded_strategy(strategy: Any) -> bool:
+    """FSDP2, FSDP1 or DeepSpeed, subclasses included (``GRPODeepSpeedStrategy``)."""
+    return any(cls.__name__ in _SHARDED_STRATEGIES for cls in type(strategy).__mro__)
+
+
 class RefModelSync(pl.Callback):
     """Mixes the policy into the reference model every ``ref_model_sync_steps`` optimizer steps
     (TR-DPO, https://huggingface.co/papers/2404.09656; TRL's ``sync_ref_model``).
@@ -87,7 +92,7 @@ class RefModelSync(pl.Callback):
         if settings.peft_config.use_dora:
             raise ConfigError("RefModelSync with model.peft_config.use_dora: a DoRA update is not linear in its "
                               "parameters, so the base cannot take alpha of it exactly. Use plain LoRA.")
-        if type(trainer.strategy).__name__ in _SHARDED_STRATEGIES:
+        if _is_sharded_strategy(trainer.strategy):
             raise ConfigError(f"RefModelSync with model.peft_config under {type(trainer.strategy).__name__}: mixing "
                               "into sharded LoRA base weights is not implemented; use DDP or one device.")
 
@@ -98,15 +103,16 @@ class RefModelSync(pl.Callback):
         step = trainer.global_step
         if step == 0 or step % self.ref_model_sync_steps or step <= self.last_synced_step:
             return
-        self.sync(pl_module)
+        self.sync(pl_module, trainer.strategy)
         self.last_synced_step = step
         self.num_syncs += 1
         if trainer.is_global_zero:
             log.info("RefModelSync: reference <- %.3g * policy + %.3g * reference at step %d.",
                      self.ref_model_mixup_alpha, 1.0 - self.ref_model_mixup_alpha, step)
 
-    def sync(self, pl_module: pl.LightningModule) -> None:
-        """One mix now (collective under sharding: every rank calls it)."""
+    def sync(self, pl_module: pl.LightningModule, strategy: Any = None) -> None:
+        """One mix now (collective under sharding: every rank calls it). ``strategy``: the
+        trainer's, through which FSDP1's root unit is gathered."""
         alpha, ref, policy = self.ref_model_mixup_alpha, pl_module.ref_policy, pl_module.policy
         if ref is None:
             if not is_peft_model(policy):
@@ -117,7 +123,7 @@ class RefModelSync(pl.Callback):
                 _reshard_fsdp2(model)
             mix_parameters_(_matched(ref, policy), alpha)
         else:
-            with gathered_weights(ref, writeback=True), gathered_weights(policy):
+            with gathered_weights(ref, writeback=True, strategy=strategy), gathered_weights(policy, strategy=strategy):
                 mix_parameters_(_matched(ref, policy), alpha)
 
     def state_dict(self) -> dict[str, Any]:

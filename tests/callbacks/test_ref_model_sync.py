@@ -115,6 +115,9 @@ def test_bad_settings_are_refused_before_any_weights_load():
     with pytest.raises(ConfigError, match="under ModelParallelStrategy: mixing into sharded LoRA base"):
         sync.setup(_trainer("ModelParallelStrategy"), _module(peft=lora), "fit")
     sync.setup(_trainer(), _module(peft=lora, save_final_model=True), "fit")  # the export takes the synced base
+    subclass = SimpleNamespace(strategy=type("GRPODeepSpeedStrategy", (type("DeepSpeedStrategy", (), {}),), {})())
+    with pytest.raises(ConfigError, match="under GRPODeepSpeedStrategy: mixing into sharded LoRA base"):
+        sync.setup(subclass, _module(peft=lora), "fit")  # a subclass of a sharded strategy is sharded too
 
 
 def test_state_round_trips():
