@@ -9,6 +9,12 @@ mkdir -p .gpu_wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .gpu_wheels datasets dill "multiprocess" "trl==1.16.0" accelerate \
   pytest pluggy iniconfig pygments
+# DeepSpeed for the `strategies` section (a py3-none-any wheel built here; no ops compiled) and
+# the pure-python/binary wheels it needs that the image lacks.
+DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .gpu_wheels
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_wheels \
+  hjson pydantic pydantic-core annotated-types typing-inspection
 # The real Qwen2.5 tokenizer for the benchmark (the GPU machine has no ../shared/assets):
 # gpu_check.sh points GRPO_SHARED_ASSETS at this copy.
 SHARED=${GRPO_SHARED_ASSETS:-../shared/assets}
