@@ -115,7 +115,9 @@ class GRPOLightningCLI(LightningCLI):
     """LightningCLI with GRPO's defaults: MLflow logging and TRL's trainer defaults; loss and sampler
     names written out in full; checks of the run folder and run length before any model loads."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, objects: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        #: ``model.<arg>`` / ``data.<arg>`` -> the object the constructor gets (``run_cli(objects=...)``).
+        self._objects = dict(objects or {})
         kwargs.setdefault("parser_class", GRPOArgumentParser)
         parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
         parser_kwargs.setdefault("epilog", EPILOG)  # `grpo --help`; each subcommand's below
@@ -189,6 +191,13 @@ class GRPOLightningCLI(LightningCLI):
                                                     int(run.get("keep_checkpoints", 2)))
         return super()._instantiate_trainer(config, callbacks)
 
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        for section, cls in (("model", self._model_class), ("data", self._datamodule_class)):
+            given = {k.split(".", 1)[1]: v for k, v in self._objects.items() if k.startswith(section + ".")}
+            if given:  # objects the parser's types cannot check go straight to the constructor
+                self.parser.add_instantiator(_WithObjects(given), cls, subclasses=True, prepend=True)
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         expanded = expand_component_names(config)  # what runs is what config.yaml records
@@ -207,6 +216,16 @@ class GRPOLightningCLI(LightningCLI):
                 forget_previous_run(root)
 
 
+class _WithObjects:
+    """Instantiates a class with some ``__init__`` arguments replaced by Python objects (``run_cli(objects=...)``)."""
+
+    def __init__(self, objects: dict[str, Any]) -> None:
+        self.objects = objects
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict | None = None, **kwargs: Any) -> Any:
+        return class_type(*args, **{**kwargs, **self.objects})
+
+
 def launched_as_rank_zero() -> bool:
     """Whether this process is the job's first one, by the variables launchers set before Python
     starts (torchrun, SLURM, Lightning's own DDP launcher for the processes it starts)."""
@@ -222,13 +241,16 @@ def _show_package_logs() -> None:
         package_log.setLevel(logging.INFO)
 
 
-def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[Any] | None = None) -> GRPOLightningCLI:
+def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[Any] | None = None,
+            objects: dict[str, Any] | None = None) -> GRPOLightningCLI:
     """Run ``grpo`` with ``args`` (default: the command line) and return the CLI object.
 
     ``args`` may also be a config dict (``{"fit": {...}}``, what a YAML file holds, Python objects
     allowed where the types take them: ``grpo_lightning.GRPOTrainer`` runs this way).
     ``callbacks`` are added to the trainer's callbacks without being part of the config
-    (observers: they are not written to ``config.yaml``)."""
+    (observers: they are not written to ``config.yaml``). ``objects`` (``{"model.model": model}``)
+    are ``__init__`` arguments of the module or datamodule given to the constructor in place of the
+    config's value, for objects the parser's types cannot check."""
     _show_package_logs()
     # Lightning 2.6 against torch >= 2.10 warns on every run from its own code; nothing to act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -241,6 +263,7 @@ def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[A
         seed_everything_default=42,
         args=args,  # None: LightningCLI reads the command line
         auto_configure_optimizers=False,
+        objects=objects,
     )
 
 

@@ -24,11 +24,15 @@ class InMemory:
         value: The object the run uses.
         yaml: What a YAML file says instead (a dotted path, a class_path spec), or ``None``.
         why_not: Why it has no YAML form and what to do instead (set when ``yaml`` is ``None``).
+        after_parse: The CLI parser's type of this key cannot check such an object (a model
+            object for ``model.model``): the parsed config holds a placeholder string, and the CLI
+            sets the object after parsing (``run_cli(objects=...)``).
     """
 
     value: Any
     yaml: Any = None
     why_not: str = ""
+    after_parse: bool = False
 
 
 class ReplayError(ConfigError):
@@ -73,15 +77,28 @@ class ConfigBuilder:
         self.ignored.append(f"{name}={value!r} ({reason})")
 
 
-def run_config(config: Any) -> Any:
-    """``config`` with every :class:`InMemory` replaced by its object: what the run is given."""
-    if isinstance(config, InMemory):
-        return config.value
-    if isinstance(config, dict):
-        return {k: run_config(v) for k, v in config.items()}
-    if isinstance(config, list):
-        return [run_config(v) for v in config]
-    return config
+#: What the parsed config holds where the CLI sets an object after parsing.
+PLACEHOLDER = "<set from Python after parsing>"
+
+
+def run_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the run is given: ``config`` with every :class:`InMemory` replaced by its object, and
+    the ``{dotted key: object}`` the CLI sets after parsing (``after_parse`` values)."""
+    objects: dict[str, Any] = {}
+
+    def walk(node: Any, where: str) -> Any:
+        if isinstance(node, InMemory):
+            if node.after_parse:
+                objects[where] = node.value
+                return PLACEHOLDER
+            return node.value
+        if isinstance(node, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        return node
+
+    return walk(config, ""), objects
 
 
 def yaml_config(config: Any) -> Any:

@@ -270,7 +270,10 @@ class TrainerCallbacks(pl.Callback):
         module, trainer = self._module, self._trainer
         out: dict[str, Any] = {}
         if module is not None:
-            out["model"] = getattr(module, "policy", None)
+            try:
+                out["model"] = module.policy
+            except RuntimeError:  # not built yet (on_init_end comes before configure_model)
+                out["model"] = None
             out["processing_class"] = getattr(module, "tokenizer", None)
         if trainer is not None and trainer.optimizers:
             out["optimizer"] = trainer.optimizers[0]

@@ -45,7 +45,8 @@ def model_entries(b: ConfigBuilder, args: Any, model: Any, processing_class: Any
     if isinstance(model, str):
         b.set("model.model", model)
     else:
-        b.set("model.model", in_memory_only(model, "model", "save it with save_pretrained and pass the folder's path"))
+        b.set("model.model", in_memory_only(model, "model", "save it with save_pretrained and pass the folder's path",
+                                            after_parse=True))
     if processing_class is not None:
         b.set("model.tokenizer", save_tokenizer(processing_class, args, "processing_class"))
     if peft_config is not None:

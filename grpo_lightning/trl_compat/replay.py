@@ -57,9 +57,9 @@ def by_path(obj: Any, setting: str) -> Any:
     return InMemory(obj, path, "" if path else f"{setting} {_describe(obj)}: {reason}")
 
 
-def in_memory_only(obj: Any, setting: str, what_instead: str) -> InMemory:
+def in_memory_only(obj: Any, setting: str, what_instead: str, *, after_parse: bool = False) -> InMemory:
     """An object the YAML file cannot hold at all (a model object, an optimizer)."""
-    return InMemory(obj, None, f"{setting} is a {type(obj).__name__} object: {what_instead}")
+    return InMemory(obj, None, f"{setting} is a {type(obj).__name__} object: {what_instead}", after_parse)
 
 
 def _describe(obj: Any) -> str:

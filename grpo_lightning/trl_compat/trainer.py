@@ -122,10 +122,11 @@ class GRPOTrainer:
                 f.write(text)
         return text
 
-    def _run(self, subcommand: str, config: dict[str, Any]) -> Any:
+    def _run(self, subcommand: str, config: dict[str, Any], objects: dict[str, Any]) -> Any:
         from grpo_lightning.cli import run_cli
 
-        self._cli = run_cli({subcommand: config}, callbacks=[self.callback_handler, *self._lightning_callbacks])
+        self._cli = run_cli({subcommand: config}, callbacks=[self.callback_handler, *self._lightning_callbacks],
+                            objects=objects)
         return self._cli
 
     # ------------------------------------------------------------------ TRL's methods
@@ -137,12 +138,12 @@ class GRPOTrainer:
             raise ConfigError("train(trial=...): hyperparameter search is not supported.")
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments {sorted(kwargs)}.")
-        config = run_config(self._plan.config)
+        config, objects = run_config(self._plan.config)
         if resume_from_checkpoint:
             config["ckpt_path"] = "last" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             config["overwrite_run_dir"] = False  # resuming continues the run in the folder
         losses_before = len(self.callback_handler.step_losses)
-        cli = self._run("fit", config)
+        cli = self._run("fit", config, objects)
         losses = self.callback_handler.step_losses[losses_before:]
         summary = self.callback_handler.log_history[-1] if self.callback_handler.log_history else {}
         metrics = {k: v for k, v in summary.items() if k.startswith("train_") or k == "epoch"}
@@ -166,10 +167,9 @@ class GRPOTrainer:
             finally:
                 trainer.limit_val_batches = limit
         else:
-            config = run_config(self._plan.config)
+            config, objects = run_config(self._plan.config)
             config["trainer"].pop("limit_val_batches", None)
-            config.pop("overwrite_run_dir", None)  # fit-only options of grpo
-            self._run("validate", config)
+            self._run("validate", config, objects)
         return {**handler._eval_logs, "epoch": handler.epoch}
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
