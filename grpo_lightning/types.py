@@ -95,6 +95,8 @@ class Rollout:
     # Extra model inputs of the prompt (images: ``pixel_values``, ``image_grid_thw``, ...): a
     # one-row :class:`RowInputs`; every completion of a prompt carries its own.
     model_inputs: "RowInputs | None" = None
+    # The prompt's images (PIL), for the completion table's ``image`` column.
+    images: list[Any] | None = None
 
 
 @dataclass

@@ -9,7 +9,9 @@ from typing import Any
 import lightning.pytorch as pl
 
 from grpo_lightning.callbacks.completion_hub import CompletionHub
-from grpo_lightning.callbacks.completion_table import pick_columns, print_completions, sample_rows, unique_prompt_rows
+from grpo_lightning.callbacks.completion_table import (
+    pick_columns, print_completions, sample_rows, unique_prompt_rows, without_images,
+)
 from grpo_lightning.types import CompletionTable
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ class CompletionLogger(pl.Callback):
         hub_private_repo: Create ``log_completions_hub_repo`` private.
         hub_push_interval_s: Least seconds between two Hub pushes at logging steps (TRL commits
             every 2 minutes); the last rows are always pushed when fit ends.
+        log_multimodal: Put each row's image (vision-language prompts: the row's first image) in
+            the MLflow table as an image artifact (TRL's ``log_multimodal``); ``false`` keeps the logs
+            small with high-resolution images. Parquet, console and Hub rows never hold images.
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class CompletionLogger(pl.Callback):
         log_completions_hub_repo: str | None = None,
         hub_private_repo: bool | None = None,
         hub_push_interval_s: float = 120.0,
+        log_multimodal: bool = True,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"CompletionLogger.every_n_steps={every_n_steps}: use a positive number or null.")
@@ -61,6 +67,7 @@ class CompletionLogger(pl.Callback):
         self.num_completions_to_print = num_completions_to_print
         self.log_unique_prompts = log_unique_prompts
         self.save_parquet = save_parquet
+        self.log_multimodal = log_multimodal
         self.hub = None if log_completions_hub_repo is None else CompletionHub(
             log_completions_hub_repo, hub_private_repo, hub_push_interval_s)
         self.console: Any = None  # a rich Console to print to (tests); None: stdout
@@ -99,10 +106,12 @@ class CompletionLogger(pl.Callback):
 
         columns = table.columns if isinstance(table, CompletionTable) else table
         columns = {"step": [step] * len(columns["prompt"]), **columns}
+        columns, images = without_images(columns)  # PIL images: MLflow only
         shown = unique_prompt_rows(columns["prompt"]) if self.log_unique_prompts else range(len(columns["prompt"]))
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_table(logger.run_id, data=pick_columns(columns, shown),
+                logger.experiment.log_table(logger.run_id, data=pick_columns({**columns, **images} if self.log_multimodal
+                                                                             else columns, shown),
                                             artifact_file=f"completions/completions_{step:05d}.json")
         if self.save_parquet:
             import pandas as pd

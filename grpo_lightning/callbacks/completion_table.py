@@ -51,6 +51,12 @@ def pick_columns(columns: dict[str, list[Any]], rows: Sequence[int]) -> dict[str
     return {name: [values[i] for i in rows] for name, values in columns.items()}
 
 
+def without_images(columns: dict[str, list[Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """``(columns, image_columns)``: the ``image`` column of vision-language prompts apart."""
+    images = {name: values for name, values in columns.items() if name == "image"}
+    return {name: values for name, values in columns.items() if name not in images}, images
+
+
 def _cell(value: Any) -> Any:
     """One table cell as literal text (never rich markup: a completion may contain ``[bold]``)."""
     from rich.text import Text

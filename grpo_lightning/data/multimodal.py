@@ -179,6 +179,7 @@ def attach_model_inputs(rollouts: list[Rollout], prompts: Sequence[Any], num_gen
         prompt = prompts[i // num_generations]
         if isinstance(prompt, MultimodalPrompt):
             rollout.model_inputs = RowInputs({k: [v] for k, v in prompt.model_inputs.items()}, prompt.token_fields)
+            rollout.images = list(prompt.images)
     return rollouts
 
 
@@ -202,3 +203,11 @@ def row_inputs_of(rollouts: Sequence[Rollout]) -> RowInputs | None:
         if sorted(r.model_inputs.rows) != names:
             raise ValueError(f"row {i} has model inputs {sorted(r.model_inputs.rows)}, row 0 has {names}.")
     return RowInputs({n: [v for r in rollouts for v in r.model_inputs.rows[n]] for n in names}, first.token_fields)
+
+
+def image_column(rollouts: Sequence[Rollout]) -> list[Any] | None:
+    """The completion table's ``image`` column: each row's first image (``None`` when the batch
+    has no images). MLflow stores PIL images of a table as image artifacts."""
+    if not any(r.images for r in rollouts):
+        return None
+    return [r.images[0] if r.images else None for r in rollouts]

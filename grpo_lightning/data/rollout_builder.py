@@ -21,7 +21,9 @@ from grpo_lightning.data.agent_wiring import gathered_tool_metrics, start_agent_
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
-from grpo_lightning.data.multimodal import attach_model_inputs, check_sampler_images, encode_row_prompt, row_inputs_of
+from grpo_lightning.data.multimodal import (
+    attach_model_inputs, check_sampler_images, encode_row_prompt, image_column, row_inputs_of,
+)
 from grpo_lightning.data.prompt_format import check_context_length, decode_completions
 from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.sampling import generate_checked, with_rollout_fields
@@ -269,6 +271,8 @@ class RolloutBuilder:
         for column, name in enumerate(scores.names):
             columns[f"reward/{name}"] = scores.rewards[:, column].tolist()
         columns["advantage"] = advantages.tolist()
+        if (images := image_column(rollouts)) is not None:  # CompletionLogger(log_multimodal) logs them
+            columns["image"] = images
         for name, values in sorted(scores.extra_columns.items()):
             if len(values) == len(rollouts):  # log_extra values must be one per completion
                 columns[name] = list(values)

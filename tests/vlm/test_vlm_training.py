@@ -38,7 +38,7 @@ class RecordBatches(pl.Callback):
         self.grids.append([g.tolist() for g in batch.model_inputs.rows["image_grid_thw"]])
 
 
-def fit(tmp_path, processor, *, max_steps=2, module_kwargs=None, **data_kwargs):
+def fit(tmp_path, processor, *, max_steps=2, module_kwargs=None, callbacks=(), logger=False, **data_kwargs):
     model = qwen2_vl_model(processor.tokenizer)
     module = GRPOModule(model, tokenizer=processor, learning_rate=1e-2, lr_scheduler_type="constant",
                         gradient_checkpointing=False, **(module_kwargs or {}))
@@ -47,9 +47,9 @@ def fit(tmp_path, processor, *, max_steps=2, module_kwargs=None, **data_kwargs):
         per_device_train_batch_size=4, generation=GenerationParams(max_completion_length=4), **data_kwargs,
     )
     recorder = RecordBatches()
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[recorder])
+                         callbacks=[recorder, *callbacks], log_every_n_steps=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.fit(module, datamodule)
     return module, trainer, before, recorder
