@@ -45,6 +45,11 @@ import bench_assets  # noqa: E402
 PHASES = ("generation", "reward", "logprob", "forward", "backward", "optimizer")
 
 
+def peak_rss_mb() -> float:
+    """``ru_maxrss`` of this process in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -62,6 +67,7 @@ class Recorder:
         self.steps: list[dict] = []
         self.last_boundary = None
         self.rss_train_start = None
+        self.peak_rss_train_start = None
 
     def now(self) -> float:
         if self.cuda:
@@ -86,9 +92,13 @@ class Recorder:
         """Resident memory right after a phase (max over the step): shows which phase grows it."""
         key = f"rss_after_{phase}_mb"
         self.current[key] = max(self.current.get(key, 0.0), rss_mb())
+        # The process's peak so far (ru_maxrss only grows): the phase whose value jumps is the one
+        # that reached the peak, even when the memory is freed again before the phase ends.
+        self.current[f"peak_rss_after_{phase}_mb"] = peak_rss_mb()
 
     def train_start(self) -> None:
         self.rss_train_start = rss_mb()
+        self.peak_rss_train_start = peak_rss_mb()  # includes the model load
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.last_boundary = self.now()
@@ -102,7 +112,7 @@ class Recorder:
         step["cpu_util"] = (cpu - self.last_cpu) / step["step_time"]
         for key in ("prompt_tokens", "completion_tokens", "rows", "truncated", "max_completion"):
             step[key] = self.current.get(key, 0.0)
-        step.update({k: v for k, v in self.current.items() if k.startswith("rss_after_")})
+        step.update({k: v for k, v in self.current.items() if k.startswith(("rss_after_", "peak_rss_after_"))})
         step["other"] = step["step_time"] - sum(step[p] for p in PHASES)
         step.update(extra or {})
         self.steps.append(step)
@@ -362,6 +372,7 @@ def main() -> None:
         "repeat": spec["repeat"],
         "steps": rec.steps,
         "rss_train_start_mb": rec.rss_train_start,
+        "peak_rss_train_start_mb": rec.peak_rss_train_start,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "matmul_probe_gflops": probe,
         "wall_s": time.perf_counter() - started,
