@@ -44,6 +44,24 @@ PATHS = {
     "chunked+packed": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=False),
     "chunked+packed+shared": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=True),
 }
+# The packed paths above run the mask path (sdpa_mask); these the other attention kernels
+# (ForwardOptions.attention_kernel, module/attention_kernels.py). Not in the default --paths.
+KERNEL_PATHS = {
+    "chunked+packed/varlen": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=False,
+                                  attention_kernel="varlen"),
+    "chunked+packed/flex": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=False,
+                                attention_kernel="flex"),
+    "chunked+packed+shared/flex": dict(chunked_lm_head=True, padding_free=True, share_prompt_prefix=True,
+                                       attention_kernel="flex"),
+}
+DEFAULT_PATHS = tuple(PATHS)
+for _name in ("packed", "chunked+packed", "chunked+packed+shared"):
+    PATHS[_name] = {**PATHS[_name], "attention_kernel": "sdpa_mask"}
+PATHS.update(KERNEL_PATHS)
+
+
+def _chunk_tokens(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def _rss_bytes() -> int:
@@ -196,7 +214,7 @@ def main() -> None:
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.9)
-    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--chunk-tokens", type=_chunk_tokens, default=1024, help="LM-head chunk tokens or 'auto'")
     parser.add_argument("--token-budget", type=int, default=None, help="logprob_token_budget of every path")
     parser.add_argument("--train-token-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--generations", type=int, default=8, help="rows per prompt (GRPO's num_generations)")
@@ -204,7 +222,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of every run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma-separated, from: {', '.join(PATHS)}")
     parser.add_argument("--modes", default="train,logprob")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
