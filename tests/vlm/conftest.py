@@ -18,3 +18,13 @@ def qwen_processor(shared_assets):
 @pytest.fixture
 def qwen_model(qwen_processor):
     return qwen2_vl_model(qwen_processor.tokenizer).eval()
+
+
+@pytest.fixture(scope="session")
+def idefics3_processor(shared_assets):
+    from tests.vlm.tiny_vlm import idefics3_processor as build
+
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    return build(folder)

@@ -82,3 +82,44 @@ def color_image(seed: int, size: tuple[int, int] = (40, 36)):
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy())
+
+
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<image>{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def idefics3_processor(tokenizer_dir: Path):
+    """A SmolVLM/Idefics3-style processor: the Qwen2.5 tokenizer plus Idefics3's image tokens, one
+    32x32 image (no splitting) of 4 image tokens per image."""
+    from transformers import AutoTokenizer, Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 32},
+                                                max_image_size={"longest_edge": 32})
+    return Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
+
+
+def idefics3_model(tokenizer, seed: int = 0):
+    """A 2-layer Llama text model with a 1-layer SigLIP-style vision tower (32x32 images, 8x8
+    patches: 16 patches, 4 image tokens after the 2x2 pixel shuffle)."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    end = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = end
+    return model.float()
