@@ -1,9 +1,12 @@
 """Reading tool calls out of a generated assistant turn, one parser per model family.
 
 Qwen2.5 and Qwen3 (Hermes format) write each call as ``<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>``; Qwen3 may open the turn with a ``<think>...</think>`` block. A parser is
-chosen by family name (``agent.parser: qwen3``), by the dotted path of a :class:`ToolCallParser`
-subclass, or detected from the chat template.
+{...}}\\n</tool_call>``; Qwen3 may open the turn with a ``<think>...</think>`` block. DeepSeek-V3
+writes its calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each as
+``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`` (calls
+separated by a newline), after the turn's text. A parser is chosen by family name
+(``agent.parser: qwen3``), by the dotted path of a :class:`ToolCallParser` subclass, or detected
+from the chat template.
 
 As in TRL, a turn whose tool-call markup cannot be read (invalid JSON, no ``name``, an unclosed
 block) is a plain-text answer: it calls nothing and ends the row's tool loop.
@@ -101,10 +104,57 @@ class Qwen3ToolCallParser(HermesToolCallParser):
     template_marker = "<think>"
 
     def _split_reasoning(self, text: str) -> tuple[str | None, str]:
-        if "</think>" not in text:
-            return None, text
-        thought, _, rest = text.partition("</think>")
-        return thought.replace("<think>", "", 1).strip(), rest
+        return _split_think(text)
+
+
+def _split_think(text: str) -> tuple[str | None, str]:
+    """``(thinking, rest)`` around the first ``</think>`` (``None``: the turn has no thinking)."""
+    if "</think>" not in text:
+        return None, text
+    thought, _, rest = text.partition("</think>")
+    return thought.replace("<think>", "", 1).strip(), rest
+
+
+class DeepSeekV3ToolCallParser(ToolCallParser):
+    """DeepSeek-V3's ``<｜tool▁calls▁begin｜>`` section, after an optional thinking block (its
+    generation prompt opens ``<think>``, so a turn may start with thinking up to ``</think>``)."""
+
+    template_marker = "<｜tool▁calls▁begin｜>"
+    _calls = re.compile(r"<｜tool▁calls▁begin｜>(.*?)<｜tool▁calls▁end｜>", re.DOTALL)
+    _call = re.compile(
+        r"<｜tool▁call▁begin｜>([^<\n]+)<｜tool▁sep｜>([^\n<]+)\n```(?:json)?[ \t]*\n(.*?)\n?```[ \t]*<｜tool▁call▁end｜>",
+        re.DOTALL,
+    )
+    _markup = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+
+    def parse(self, text: str) -> AssistantTurn:
+        reasoning, text = _split_think(text)
+        sections = self._calls.findall(text)
+        content = self._calls.sub("", text)
+        malformed = AssistantTurn(text.strip(), [], reasoning, malformed=True)
+        if len(sections) > 1 or any(marker in content for marker in self._markup):  # unclosed or stray markup
+            return malformed
+        calls: list[ToolCall] = []
+        for section in sections:
+            if not section.strip() or self._call.sub("", section).strip():  # no call, or text between calls
+                return malformed
+            for kind, name, body in self._call.findall(section):
+                arguments = _read_arguments(body)
+                if arguments is None or not name.strip():
+                    return malformed
+                calls.append(ToolCall(name.strip(), arguments, kind.strip()))
+        return AssistantTurn(content.strip(), calls, reasoning)
+
+
+def _read_arguments(body: str) -> dict[str, Any] | None:
+    """A call's JSON arguments (empty: none); ``None`` when they are not a JSON object."""
+    if not body.strip():
+        return {}
+    try:
+        arguments = json.loads(body)
+    except ValueError:
+        return None
+    return arguments if isinstance(arguments, dict) else None
 
 
 def _read_call(body: str) -> ToolCall | None:
@@ -133,6 +183,7 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3": Qwen3ToolCallParser,
     "qwen2.5": HermesToolCallParser,
     "hermes": HermesToolCallParser,
+    "deepseek-v3": DeepSeekV3ToolCallParser,
 }
 
 
@@ -141,7 +192,11 @@ def detect_family(chat_template: str | None) -> str | None:
 
     >>> detect_family("... <tool_call> ... <think> ..."), detect_family("<tool_call>"), detect_family("x")
     ('qwen3', 'qwen2.5', None)
+    >>> detect_family("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>")
+    'deepseek-v3'
     """
+    if chat_template and "<｜tool▁calls▁begin｜>" in chat_template and "<｜tool▁sep｜>" in chat_template:
+        return "deepseek-v3"
     if not chat_template or "<tool_call>" not in chat_template:
         return None
     return "qwen3" if "<think>" in chat_template else "qwen2.5"
@@ -180,6 +235,6 @@ def get_parser(spec: "str | ToolCallParser | None", chat_template: str | None) -
 
 
 __all__ = [
-    "PARSERS", "AssistantTurn", "HermesToolCallParser", "Qwen3ToolCallParser", "ToolCall", "ToolCallParser",
+    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "HermesToolCallParser", "Qwen3ToolCallParser", "ToolCall", "ToolCallParser",
     "detect_family", "get_parser",
 ]  # fmt: skip

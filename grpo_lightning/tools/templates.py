@@ -11,10 +11,14 @@ are the difference between two renderings of a small probe conversation::
     tool-turn tokens = after[len(before):]
 
 which is only right when ``before`` is a token prefix of ``after``: the template must be
-*prefix-preserving* (appending a tool message does not re-render the earlier turns). Qwen2.5's
-is; Qwen3's is not (the last assistant turn gets an empty ``<think>`` block, an earlier one does
-not), so a fixed training template is used for Qwen3, and any other template that fails the check
-is refused with a clear message.
+*prefix-preserving* (appending a tool message does not re-render the earlier turns). The check
+also runs a second round (``[user, assistant, tool]`` + another call and its result): appending the
+next assistant turn must not re-render the tool results, and the second tool turn must be the same
+ids as the first (the loop appends the one-round ids every round). Qwen2.5's template passes;
+Qwen3's does not (the last assistant turn gets an empty ``<think>`` block, an earlier one does
+not), nor does DeepSeek-V3's (see :mod:`grpo_lightning.tools.templates_deepseek`), so fixed
+training templates are used for them, and any other template that fails the check is refused
+with a clear message.
 
 Layer L1: pure python (the tokenizer is duck-typed).
 """
@@ -22,6 +26,8 @@ Layer L1: pure python (the tokenizer is duck-typed).
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
+
+from grpo_lightning.tools.templates_deepseek import fix_deepseek_v3
 
 
 class TemplateError(ValueError):
@@ -98,9 +104,25 @@ class ToolTurnTemplate:
         Raises:
             TemplateError: When the template is not prefix-preserving for this exchange.
         """
+        return self._tool_turn_ids([_PROBE_USER], tool_messages, call_names)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+        try:
+            return render_ids(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                              chat_template=self.chat_template, **self.kwargs)
+        except Exception as err:  # jinja2 raises many types; a template that cannot render a tool exchange
+            raise TemplateError(
+                f"the chat template cannot render a tool-call exchange ({type(err).__name__}: {err}); tool calls are "
+                "passed in the chat-template format (arguments as a mapping). Known fixes exist for: "
+                f"{', '.join(TEMPLATE_FIXES)}; for another model give a template that can in data.agent.chat_template."
+            ) from err
+
+    def _tool_turn_ids(self, history: Sequence[Mapping[str, Any]], tool_messages: Sequence[Mapping[str, Any]],
+                       call_names: Sequence[str]) -> list[int]:
+        """The tool turn after ``history`` + an assistant turn calling ``call_names``."""
         messages = [{**m, "content": text_only(m.get("content"))} for m in tool_messages]
         assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
-        before = render_ids(self.tokenizer, [_PROBE_USER, assistant], chat_template=self.chat_template, **self.kwargs)
+        before = self._render([*history, assistant])
         ends = [i for i, token in enumerate(before) if token in self.eos_token_ids]
         if not ends:
             raise TemplateError(
@@ -109,24 +131,33 @@ class ToolTurnTemplate:
                 "template closes assistant turns with its EOS token, or set data.agent.chat_template."
             )
         before = before[: ends[-1] + 1]
-        after = render_ids(self.tokenizer, [_PROBE_USER, assistant, *messages], add_generation_prompt=True,
-                           chat_template=self.chat_template, **self.kwargs)
+        after = self._render([*history, assistant, *messages], add_generation_prompt=True)
         if after[: len(before)] != before:
-            raise TemplateError(
-                "the chat template is not prefix-preserving: appending a tool message re-renders the earlier "
-                "turns, so the tokens of a tool turn cannot be appended to what the model generated without "
-                "re-tokenizing the conversation. Known fixes exist for: "
-                f"{', '.join(sorted(TEMPLATE_FIXES))}; for another model give a prefix-preserving template in "
-                "data.agent.chat_template."
-            )
+            raise _not_prefix_preserving("appending a tool message re-renders the earlier turns")
         return after[len(before):]
 
     def check(self) -> None:
-        """The start-up check: a one-call and a two-call exchange render prefix-preservingly."""
-        self.tool_turn_ids([{"role": "tool", "name": "probe", "content": "5"}], ["probe"])
+        """The start-up check: a one-call and a two-call exchange render prefix-preservingly, and
+        so does a second round, whose tool turn is the same ids as the first round's."""
+        result = {"role": "tool", "name": "probe", "content": "5"}
+        first = self.tool_turn_ids([result], ["probe"])
         self.tool_turn_ids(
             [{"role": "tool", "name": "a", "content": "1"}, {"role": "tool", "name": "b", "content": "2"}], ["a", "b"]
         )
+        history = [_PROBE_USER, _probe_assistant(["probe"]), result]
+        prompt = self._render(history, add_generation_prompt=True)
+        if self._render([*history, _probe_assistant(["probe"])])[: len(prompt)] != prompt:
+            raise _not_prefix_preserving("appending an assistant turn after tool results re-renders the tool results")
+        if self._tool_turn_ids(history, [result], ["probe"]) != first:
+            raise _not_prefix_preserving("a second round's tool turn renders differently from the first round's")
+
+
+def _not_prefix_preserving(what: str) -> TemplateError:
+    return TemplateError(
+        f"the chat template is not prefix-preserving: {what}, so the tokens of a tool turn cannot be appended to "
+        "what the model generated without re-tokenizing the conversation. Known fixes exist for: "
+        f"{', '.join(TEMPLATE_FIXES)}; for another model give a prefix-preserving template in data.agent.chat_template."
+    )
 
 
 def _fix_qwen3(template: str) -> str | None:
@@ -139,7 +170,7 @@ def _fix_qwen3(template: str) -> str | None:
 
 
 #: Family -> function from the model's template to its fixed training template (None: not that family).
-TEMPLATE_FIXES: dict[str, Callable[[str], str | None]] = {"qwen3": _fix_qwen3}
+TEMPLATE_FIXES: dict[str, Callable[[str], str | None]] = {"qwen3": _fix_qwen3, "deepseek-v3": fix_deepseek_v3}
 
 
 def training_chat_template(
