@@ -145,6 +145,8 @@ def load_tokenizer(source: "str | Any", *, trust_remote_code: bool = False) -> A
     elif getattr(source, "image_processor", None) is not None and getattr(source, "tokenizer", None) is not None:
         tokenizer = source.tokenizer  # a multimodal processor: its tokenizer, the processor as .processor
         tokenizer.processor = source  # read by grpo_lightning.data.multimodal.processor_of
+        if getattr(tokenizer, "chat_template", None) is None:  # text rows and length checks use the tokenizer's
+            tokenizer.chat_template = getattr(source, "chat_template", None)
     else:
         tokenizer = source
     if tokenizer.eos_token_id is None:
