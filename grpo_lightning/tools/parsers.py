@@ -235,6 +235,6 @@ def get_parser(spec: "str | ToolCallParser | None", chat_template: str | None) -
 
 
 __all__ = [
-    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "HermesToolCallParser", "Qwen3ToolCallParser", "ToolCall", "ToolCallParser",
-    "detect_family", "get_parser",
+    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "HermesToolCallParser", "Qwen3ToolCallParser", "ToolCall",
+    "ToolCallParser", "detect_family", "get_parser",
 ]  # fmt: skip

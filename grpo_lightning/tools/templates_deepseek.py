@@ -43,17 +43,13 @@ DEEPSEEK_V3_MARKERS = (
 
 
 def is_deepseek_v3(template: str | None) -> bool:
-    """Whether a chat template is DeepSeek-V3's (its tool-call and tool-output markup).
+    """Whether a chat template is DeepSeek-V3's own (its tool-call and tool-output markup); our
+    training template is not (it needs no fix).
 
     >>> is_deepseek_v3(DEEPSEEK_V3_TRAINING_TEMPLATE), is_deepseek_v3("<tool_call>")
     (False, False)
     """
     return bool(template) and all(marker in template for marker in DEEPSEEK_V3_MARKERS)  # type: ignore[operator]
-
-
-def uses_deepseek_v3_format(template: str | None) -> bool:
-    """Whether a template writes DeepSeek-V3 tool calls (the model's or the fixed one), for the parser."""
-    return bool(template) and "<｜tool▁calls▁begin｜>" in template and "<｜tool▁sep｜>" in template  # type: ignore[operator]
 
 
 _CALL = (
@@ -110,4 +106,4 @@ def fix_deepseek_v3(template: str) -> str | None:
     return DEEPSEEK_V3_TRAINING_TEMPLATE if is_deepseek_v3(template) else None
 
 
-__all__ = ["DEEPSEEK_V3_TRAINING_TEMPLATE", "fix_deepseek_v3", "is_deepseek_v3", "uses_deepseek_v3_format"]
+__all__ = ["DEEPSEEK_V3_MARKERS", "DEEPSEEK_V3_TRAINING_TEMPLATE", "fix_deepseek_v3", "is_deepseek_v3"]

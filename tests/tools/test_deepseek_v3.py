@@ -13,9 +13,12 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from grpo_lightning.agents import AgentSampler, Episode
-from grpo_lightning.tools import TemplateError, Toolbox, ToolTurnTemplate, detect_family, get_parser, training_chat_template
+from grpo_lightning.tools import (
+    TemplateError, Toolbox, ToolTurnTemplate, detect_family, get_parser, training_chat_template,
+)
 from grpo_lightning.tools.parsers import DeepSeekV3ToolCallParser, ToolCall
 from grpo_lightning.tools.templates import render_ids
 from grpo_lightning.tools.templates_deepseek import DEEPSEEK_V3_TRAINING_TEMPLATE, is_deepseek_v3
@@ -48,7 +51,6 @@ def tokenizer():
     """A byte-level BPE trained on a few strings, with DeepSeek-V3's special tokens and template."""
     if "tok" not in _CACHE:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import PreTrainedTokenizerFast
 
         bpe = Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,6 +99,28 @@ def test_the_models_template_is_detected_refused_and_given_ours(tokenizer):
     assert isinstance(get_parser("deepseek-v3", None), DeepSeekV3ToolCallParser)
 
 
+def test_the_second_round_check_catches_what_one_round_does_not(tokenizer):
+    # The model's template with its arguments written by tojson renders the probe and passes one round...
+    variant = tokenizer.chat_template.replace("tool['function']['arguments']", "(tool['function']['arguments'] | tojson)")
+    assert variant != tokenizer.chat_template
+    template = ToolTurnTemplate(tokenizer, [tokenizer.eos_token_id], chat_template=variant)
+    assert tokenizer.decode(template.tool_turn_ids([{"role": "tool", "content": "5"}], ["probe"])) == OUTPUTS.format(
+        "<｜tool▁output▁begin｜>5<｜tool▁output▁end｜>")
+    with pytest.raises(TemplateError, match="appending an assistant turn after tool results re-renders"):
+        template.check()  # ...but not two
+    clone = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token=BOS, eos_token=EOS)
+    clone.chat_template = variant
+    assert training_chat_template(clone, [clone.eos_token_id]).chat_template == DEEPSEEK_V3_TRAINING_TEMPLATE
+    # A template whose tool turn depends on the round (numbered results) is refused.
+    numbered = ("{%- set ns = namespace(n=0) -%}{{ bos_token }}{%- for m in messages -%}{%- if m.role == 'tool' -%}"
+                "{%- set ns.n = ns.n + 1 -%}<｜tool▁output▁begin｜>{{ ns.n }}:{{ m.content }}<｜tool▁output▁end｜>"
+                "{%- elif m.role == 'user' -%}<｜User｜>{{ m.content }}{%- else -%}<｜Assistant｜>{{ m.content }}"
+                "{%- for c in m.tool_calls or [] -%}{{ c.function.name }}{%- endfor -%}<｜end▁of▁sentence｜>{%- endif -%}"
+                "{%- endfor -%}{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}")
+    with pytest.raises(TemplateError, match="second round's tool turn renders differently.*qwen3, deepseek-v3"):
+        training_chat_template(tokenizer, [tokenizer.eos_token_id], chat_template=numbered)
+
+
 CONVERSATIONS = [
     USER,
     [{"role": "system", "content": "You are helpful."}, *USER],
@@ -132,7 +156,7 @@ def test_one_round_renders_as_the_models_template(tokenizer):
 
 def test_tool_turn_ids_are_the_difference_of_renderings(tokenizer):
     template = training_chat_template(tokenizer, [tokenizer.eos_token_id])
-    results = [{"role": "tool", "name": "multiply", "content": "12"}, {"role": "tool", "name": "multiply", "content": "30"}]
+    results = [{"role": "tool", "name": "multiply", "content": c} for c in ("12", "30")]
     ids = template.tool_turn_ids(results, ["multiply", "multiply"])
     expected = OUTPUTS.format("<｜tool▁output▁begin｜>12<｜tool▁output▁end｜><｜tool▁output▁begin｜>30<｜tool▁output▁end｜>")
     assert tokenizer.decode(ids) == expected and ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
@@ -200,8 +224,8 @@ def test_two_round_episode_trains_on_generated_plus_tool_ids(tokenizer):
     (rollout,) = sampler.run([episode], GenerationParams(max_completion_length=300))
     eos = tokenizer.eos_token_id
     generated = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in turns]
-    tool_ids = [tokenizer(OUTPUTS.format(f"<｜tool▁output▁begin｜>{r}<｜tool▁output▁end｜>"), add_special_tokens=False)["input_ids"]
-                for r in ("12", "24")]  # fmt: skip
+    outputs = [OUTPUTS.format(f"<｜tool▁output▁begin｜>{r}<｜tool▁output▁end｜>") for r in ("12", "24")]
+    tool_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in outputs]
     assert rollout.completion_ids == generated[0] + tool_ids[0] + generated[1] + tool_ids[1] + generated[2]
     assert rollout.tool_mask == [1] * len(generated[0]) + [0] * len(tool_ids[0]) + [1] * len(generated[1]) + \
         [0] * len(tool_ids[1]) + [1] * len(generated[2])
