@@ -90,3 +90,21 @@ def test_two_optimizer_steps_train_a_tiny_idefics3(tmp_path, idefics3_processor)
     assert trainer.global_step == 2
     changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
     assert any("vision_model" in n for n in changed) and any("text_model" in n for n in changed)
+
+
+def test_a_processor_folder_loads_as_the_processing_class(tmp_path, idefics3_processor):
+    """model.tokenizer pointing at a folder with preprocessor_config.json loads with AutoProcessor."""
+    from grpo_lightning.module.model_loading import check_model_sources, is_processor_folder
+
+    idefics3_processor.save_pretrained(tmp_path / "processor")
+    folder = str(tmp_path / "processor")
+    assert is_processor_folder(folder)
+    check_model_sources("unused/model", folder)
+    tokenizer = load_tokenizer(folder)
+    assert type(tokenizer.processor).__name__ == "Idefics3Processor"
+    assert tokenizer.pad_token_id is not None and tokenizer.chat_template is not None
+    prompt = encode_row_prompt({"prompt": [{"role": "user", "content": "hi"}], "image": color_image(0)}, 0, tokenizer)
+    expected = encode_row_prompt({"prompt": [{"role": "user", "content": "hi"}], "image": color_image(0)}, 0,
+                                 load_tokenizer(idefics3_processor))
+    assert list(prompt) == list(expected)
+    assert torch.equal(prompt.model_inputs["pixel_values"], expected.model_inputs["pixel_values"])
