@@ -26,6 +26,8 @@ CONVERTED: frozenset[str] = frozenset(name for names in CONVERTERS.values() for 
 #: Fields ``GRPOTrainer`` itself reads (``save_model`` / ``push_to_hub``), not the YAML file.
 FACADE_FIELDS = ("push_to_hub", "hub_token", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
                  "resume_from_checkpoint")
+#: Fields without a YAML key that a converter still reads, to refuse a value it cannot honour.
+READ_TO_REFUSE = ("lr_scheduler_kwargs",)
 #: Fields with no home whose effect on training would be lost without a word: refused when set.
 REFUSED_WHEN_SET = {
     "neftune_noise_alpha": "NEFTune noise is not implemented (TRL adds it to the embeddings during training)",
@@ -54,7 +56,7 @@ def convert_config(config: Any, builder: ConfigBuilder, ctx: Context) -> None:
     defaults = _defaults()
     for f in fields(config):
         reason = not_applicable_reason(f.name)
-        if reason is None or f.name in FACADE_FIELDS:
+        if reason is None or f.name in FACADE_FIELDS or f.name in READ_TO_REFUSE:
             continue
         value = getattr(config, f.name)
         if value == defaults[f.name] or f.name in ("do_eval", "generation_batch_size"):

@@ -12,6 +12,8 @@ Layer L7 (trl_compat): the standard library only.
 from __future__ import annotations
 
 NOT_APPLICABLE = "not applicable: "
+#: A key this version does not have yet: ``"pending: <key> (<why>)"``; setting the field is refused.
+PENDING = "pending: "
 _AE, _RS, _CL = "trainer.callbacks[AdaptiveEntropy]", "trainer.callbacks[RefModelSync]", "trainer.callbacks[CompletionLogger]"
 _OPT = "model.optimizer"  # a class_path with its init_args (any torch optimizer)
 _VC, _VS = "data.sampler[VLLMColocateSampler]", "data.sampler[VLLMServerSampler]"
@@ -54,8 +56,8 @@ FIELD_TO_YAML: dict[str, str] = {
     "torch_compile": NOT_APPLICABLE + "the training forward is not compiled",
     "torch_compile_backend": NOT_APPLICABLE + "the training forward is not compiled",
     "torch_compile_mode": NOT_APPLICABLE + "the training forward is not compiled",
-    "use_liger_kernel": "model.use_liger_kernel",
-    "liger_kernel_config": "model.use_liger_kernel",
+    "use_liger_kernel": PENDING + "model.use_liger_kernel (Liger kernels are not wired in yet)",
+    "liger_kernel_config": PENDING + "model.use_liger_kernel (Liger kernels are not wired in yet)",
     "use_cache": NOT_APPLICABLE + "the cache is off in training forwards and on during generation",
     "neftune_noise_alpha": NOT_APPLICABLE + "NEFTune is a supervised fine-tuning technique, not used by GRPO",
     "torch_empty_cache_steps": NOT_APPLICABLE + "the device cache is not emptied periodically",
@@ -149,7 +151,7 @@ FIELD_TO_YAML: dict[str, str] = {
     "max_completion_length": "data.generation.max_completion_length",
     "ds3_gather_for_generation": "trainer.strategy",
     "shuffle_dataset": "data.shuffle_dataset",
-    "pad_to_multiple_of": "data.pad_to_multiple_of",
+    "pad_to_multiple_of": PENDING + "data.pad_to_multiple_of (padding-free batches need none; not wired in yet)",
     "generation_batch_size": "data.generation_batch_size",
     "steps_per_generation": "data.steps_per_generation",
     "temperature": "data.generation.temperature",
@@ -220,13 +222,24 @@ FIELD_TO_YAML: dict[str, str] = {
 
 
 def yaml_key(field: str) -> str | None:
-    """The YAML key of a ``GRPOConfig`` field, or ``None`` when the field does not apply.
+    """The YAML key of a ``GRPOConfig`` field, or ``None`` when the field does not apply (or its
+    key is still pending).
 
     >>> yaml_key("num_generations"), yaml_key("label_smoothing_factor")
     ('data.num_generations', None)
     """
     home = FIELD_TO_YAML[field]
-    return None if home.startswith(NOT_APPLICABLE) else home
+    return None if home.startswith((NOT_APPLICABLE, PENDING)) else home
+
+
+def pending_key(field: str) -> str | None:
+    """The key a field will have once its feature lands (``None`` unless pending).
+
+    >>> pending_key("use_liger_kernel")
+    'model.use_liger_kernel'
+    """
+    home = FIELD_TO_YAML[field]
+    return home.removeprefix(PENDING).split(" ")[0] if home.startswith(PENDING) else None
 
 
 def not_applicable_reason(field: str) -> str | None:

@@ -33,7 +33,7 @@ def dotted_path(obj: Any) -> tuple[str | None, str]:
     if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
         return None, (f"a {type(obj).__name__} object has no importable name: pass a module-level function or "
                       "class, or write its spec in the YAML file yourself")
-    if name == "<lambda>":
+    if name and name.endswith("<lambda>"):
         return None, "a lambda has no importable name: define it with def at the top level of a module"
     if not name or "<locals>" in name:
         return None, f"{name} is defined inside a function: move it to the top level of a module"
