@@ -87,7 +87,7 @@ def requested_kernel(requested: str, attn_implementation: str, sliding_window: i
 def resolve_kernel(requested: str, device: torch.device, *, shared: bool) -> str:
     """The kernel a layout uses: ``auto`` -> ``flex`` (shared prompt) / ``varlen`` (packing) on
     CUDA, ``sdpa_mask`` elsewhere; ``varlen`` with a shared prompt -> ``flex`` (varlen sequences
-    cannot share a prefix).
+    cannot share a prefix), and on CUDA without :func:`varlen_supported` -> ``flex``.
 
     >>> resolve_kernel("auto", torch.device("cpu"), shared=True), resolve_kernel("varlen", torch.device("cuda"), shared=True)
     ('sdpa_mask', 'flex')
@@ -98,9 +98,21 @@ def resolve_kernel(requested: str, device: torch.device, *, shared: bool) -> str
         if device.type != "cuda":
             return "sdpa_mask"
         requested = "varlen"
-    if requested == "varlen" and shared:
+    if requested == "varlen" and (shared or (device.type == "cuda" and not varlen_supported())):
         return "flex"
     return requested
+
+
+def varlen_supported() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` with the ``scale`` and
+    ``enable_gqa`` arguments the kernel passes (older releases: ``varlen`` runs as ``flex``)."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"scale", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
 
 
 def kernel_inputs(layout: TokenLayout, kernel: str) -> tuple[torch.Tensor | Any | None, dict[str, Any]]:
