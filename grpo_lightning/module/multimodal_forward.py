@@ -17,6 +17,7 @@ batches, each with a log line the first time (explicit fallback):
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -80,8 +81,9 @@ def multimodal_logprobs(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, Tp+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.shape[1]
-    kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                  logits_to_keep=width + 1)
+    kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if "logits_to_keep" in inspect.signature(type(_core(model)).forward).parameters:
+        kwargs["logits_to_keep"] = width + 1  # the LM head on completion positions only
     if not computes_own_positions(model):
         kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     extra = model_inputs.collate(prompt_ids.shape[1], width)

@@ -25,6 +25,7 @@ def sampler_and_prompts(qwen_processor, qwen_model):
     return sampler, prompts, module
 
 
+@pytest.mark.slow
 def test_a_batch_of_image_prompts_generates_what_each_prompt_generates_alone(sampler_and_prompts):
     sampler, prompts, _ = sampler_and_prompts
     together = sampler.generate(prompts, 2, GREEDY)  # left-padded, pixel inputs of 6 rows
