@@ -33,7 +33,7 @@ class AgentSettings:
             ``max_completion_length``, or the sequence the model's context.
         tool_timeout_s: Seconds one tool call may run before it fails with a timeout (``None``:
             no limit).
-        parser: The tool-call format: a family (``qwen2.5``, ``qwen3``, ``hermes``), the dotted
+        parser: The tool-call format: a family (``qwen2.5``, ``qwen3``, ``hermes``, ``deepseek-v3``), the dotted
             path of a ``grpo_lightning.tools.ToolCallParser`` subclass, or ``None`` to detect it
             from the chat template.
         chat_template: A prefix-preserving chat template (Jinja text, or the path of a file holding

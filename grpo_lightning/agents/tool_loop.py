@@ -99,6 +99,13 @@ class AgentSampler(Sampler):
             self.parser = get_parser(self.parser_spec, self.template.chat_template or tokenizer.chat_template)
         except (TemplateError, ValueError) as err:
             raise ConfigError(f"data.agent: {err}") from err
+        schemas = self.tools.schemas
+        if schemas and not self.template.lists_tools(schemas):
+            log.warning(
+                "data.agent: the chat template leaves the tool schemas out of the prompt (it ignores `tools`), so "
+                "the model is not told which tools exist: describe them in the system prompt, or give a template that "
+                "lists them in data.agent.chat_template."
+            )
 
     def _check_run_length(self, handle: Any) -> None:
         if not self.requires_max_steps:

@@ -6,7 +6,7 @@ Layer L1: pure python, no lightning.
 
 from grpo_lightning.tools.execution import ToolResult, execute_calls
 from grpo_lightning.tools.parsers import (
-    PARSERS, AssistantTurn, HermesToolCallParser, Qwen3ToolCallParser, ToolCall, ToolCallParser, detect_family,
+    PARSERS, AssistantTurn, DeepSeekV3ToolCallParser, HermesToolCallParser, Qwen3ToolCallParser, ToolCall, ToolCallParser, detect_family,
     get_parser,
 )
 from grpo_lightning.tools.schema import ToolSchemaError, tool_schema
@@ -14,7 +14,7 @@ from grpo_lightning.tools.templates import TEMPLATE_FIXES, TemplateError, ToolTu
 from grpo_lightning.tools.toolbox import Tool, Toolbox
 
 __all__ = [
-    "PARSERS", "TEMPLATE_FIXES", "AssistantTurn", "HermesToolCallParser", "Qwen3ToolCallParser", "TemplateError",
+    "PARSERS", "TEMPLATE_FIXES", "AssistantTurn", "DeepSeekV3ToolCallParser", "HermesToolCallParser", "Qwen3ToolCallParser", "TemplateError",
     "Tool", "ToolCall", "ToolCallParser", "ToolResult", "ToolSchemaError", "ToolTurnTemplate", "Toolbox",
     "detect_family", "execute_calls", "get_parser", "tool_schema", "training_chat_template",
 ]  # fmt: skip

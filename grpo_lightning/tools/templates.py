@@ -97,6 +97,11 @@ class ToolTurnTemplate:
         return render_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                           chat_template=self.chat_template, **self.kwargs)
 
+    def lists_tools(self, tools: Sequence[dict[str, Any]]) -> bool:
+        """Whether the template puts ``tools`` (their JSON schemas) into a prompt at all (DeepSeek-V3's
+        ignores the ``tools`` argument: the tools must then be described in the system prompt)."""
+        return self.render([_PROBE_USER], tools=tools) != self.render([_PROBE_USER])
+
     def tool_turn_ids(self, tool_messages: Sequence[Mapping[str, Any]], call_names: Sequence[str]) -> list[int]:
         """The ids that follow an assistant turn's end-of-turn token for these tool messages, up
         to and including the next assistant generation prompt.

@@ -239,3 +239,13 @@ def test_two_round_episode_trains_on_generated_plus_tool_ids(tokenizer):
     think = tokenizer("<think>\n", add_special_tokens=False)["input_ids"]
     assert prompt[-len(think):] == think
     assert rendered == prompt[: -len(think)] + rollout.completion_ids[: -len(generated[2])]
+
+
+def test_the_template_leaves_tools_out_of_the_prompt_and_the_agent_warns(tokenizer, caplog):
+    """DeepSeek-V3's template ignores ``tools``: ``lists_tools`` says so, and the agent's start-up
+    warns that the tools must be described in the system prompt."""
+    template = training_chat_template(tokenizer, [tokenizer.eos_token_id])
+    assert not template.lists_tools(Toolbox.of([multiply]).schemas)
+    with caplog.at_level("WARNING", logger="grpo_lightning.agents.tool_loop"):
+        AgentSampler(ScriptedSampler(lambda context, j: "x"), Toolbox.of([multiply])).bind(Handle(tokenizer))
+    assert "leaves the tool schemas out of the prompt" in caplog.text

@@ -17,6 +17,7 @@ def test_schemas_rendered_in_the_prompt(qwen):
     schemas = Toolbox.of([multiply]).schemas
     text = tokenizer.decode(template.render([{"role": "user", "content": "3 times 4?"}], schemas))
     assert json.dumps(schemas[0]) in text  # the schema JSON, as the template writes it
+    assert template.lists_tools(schemas)  # the start-up check that the model is told about its tools
     assert "<tool_call>" in text and text.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if family == "qwen3" else ""))
 
 
