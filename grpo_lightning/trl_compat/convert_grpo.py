@@ -157,7 +157,8 @@ def callbacks(c: Any, b: ConfigBuilder, ctx: Context) -> None:
     if c.log_completions:
         b.append("trainer.callbacks", {"class_path": "grpo_lightning.callbacks.CompletionLogger", "init_args": {
             "num_completions_to_print": c.num_completions_to_print, "log_unique_prompts": c.log_unique_prompts,
-            "log_completions_hub_repo": c.log_completions_hub_repo, "hub_private_repo": c.hub_private_repo}})
+            "log_completions_hub_repo": c.log_completions_hub_repo, "hub_private_repo": c.hub_private_repo,
+            "log_multimodal": c.log_multimodal}})
 
 
 def agent(c: Any, b: ConfigBuilder, ctx: Context) -> None:
@@ -186,6 +187,7 @@ CONVERTERS: dict[Callable[[Any, ConfigBuilder, Context], None], tuple[str, ...]]
               "mask_truncated_completions"),
     callbacks: ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "use_adaptive_entropy",
                 "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max", "log_completions",
-                "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo", "hub_private_repo"),
+                "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo", "hub_private_repo",
+                "log_multimodal"),
     agent: ("max_tool_calling_iterations",),
 }

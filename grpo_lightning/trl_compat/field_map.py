@@ -210,7 +210,7 @@ FIELD_TO_YAML: dict[str, str] = {
     "off_policy_mask_threshold": "model.loss.init_args.off_policy_mask_threshold",
     "use_bias_correction_kl": "model.loss.init_args.use_bias_correction_kl",
     "log_completions": _CL,
-    "log_multimodal": NOT_APPLICABLE + f"not forwarded by the GRPOConfig facade yet; in YAML: {_CL}.init_args.log_multimodal",
+    "log_multimodal": f"{_CL}.init_args.log_multimodal",
     "num_completions_to_print": f"{_CL}.init_args.num_completions_to_print",
     "log_unique_prompts": f"{_CL}.init_args.log_unique_prompts",
     "log_completions_hub_repo": f"{_CL}.init_args.log_completions_hub_repo",

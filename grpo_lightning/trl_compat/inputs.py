@@ -6,7 +6,7 @@ The replay rule for objects (see also ``replay.py``):
   ``<output_dir>/trl_inputs/<name>``, which ``data.dataset`` / ``data.eval_dataset`` name;
   an ``IterableDataset`` -> the rows the run reads (``max_steps`` generation batches' worth) written
   the same way, in stream order (TRL does not shuffle a stream);
-* a tokenizer object (``processing_class``, ``reward_processing_classes``) -> ``save_pretrained`` to
+* a tokenizer or processor object (``processing_class``, ``reward_processing_classes``) -> ``save_pretrained`` to
   ``<output_dir>/trl_inputs/<name>``;
 * a ``peft.LoraConfig`` / ``BitsAndBytesConfig`` -> their settings (``model.peft_config``,
   ``model.quantization_config``);
@@ -60,10 +60,8 @@ def save_tokenizer(tokenizer: Any, args: Any, name: str) -> str:
     if isinstance(tokenizer, str):
         return tokenizer
     if not hasattr(tokenizer, "save_pretrained"):
-        raise ConfigError(f"{name} is a {type(tokenizer).__name__}: give a transformers tokenizer (or its path).")
-    if hasattr(tokenizer, "image_processor"):
-        raise ConfigError(f"{name} is a multimodal processor ({type(tokenizer).__name__}): vision-language training "
-                          "arrives with issue #13; give a text tokenizer.")
+        raise ConfigError(f"{name} is a {type(tokenizer).__name__}: give a transformers tokenizer or processor (or "
+                          "its path).")
     folder = os.path.join(inputs_dir(args), name)
     shutil.rmtree(folder, ignore_errors=True)
     tokenizer.save_pretrained(folder)
