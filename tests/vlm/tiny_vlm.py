@@ -123,3 +123,36 @@ def idefics3_model(tokenizer, seed: int = 0):
     model = Idefics3ForConditionalGeneration(config)
     model.generation_config.eos_token_id = end
     return model.float()
+
+
+def qwen2_5_vl_processor(tokenizer_dir: Path):
+    """A Qwen2.5-VL processor (same tokens and image processor as Qwen2-VL's)."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    return _image_only(Qwen2_5_VLProcessor)(image_processor, tokenizer, chat_template=QWEN2_VL_TEMPLATE)
+
+
+def qwen2_5_vl_model(tokenizer, seed: int = 0):
+    """A 2-layer Qwen2.5-VL with a 2-block windowed vision tower (block 1 full attention)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = text["eos_token_id"]
+    return model.float()
