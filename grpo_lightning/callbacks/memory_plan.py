@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from grpo_lightning.module.lm_head_calibration import planned_chunk_tokens
 from grpo_lightning.data.prompt_format import tokenize_prompt
 from grpo_lightning.utils.memory_plan import MemoryPlan, MemorySettings, ModelShape, estimate_memory
 from grpo_lightning.utils.memory_report import device_memory_bytes, format_plan, memory_warning
@@ -89,7 +90,8 @@ def plan_inputs(
         completion_length=int(dm.generation.max_completion_length), generation_rows=generation_rows,
         logprob_rows=rows if (needs_old or pl_module.ref_policy is not None) else None,
         gradient_checkpointing=bool(pl_module.model_settings.gradient_checkpointing),
-        chunked_lm_head=options.chunked_lm_head, lm_head_chunk_tokens=options.lm_head_chunk_tokens,
+        chunked_lm_head=options.chunked_lm_head,
+        lm_head_chunk_tokens=planned_chunk_tokens(options.lm_head_chunk_tokens, pl_module.device),
         padding_free=options.padding_free, train_token_budget=options.train_token_budget,
         logprob_token_budget=options.logprob_token_budget, entropy_grad=getattr(pl_module, "entropy_coef", 0) != 0,
         attention="eager" if getattr(config, "_attn_implementation", None) == "eager" else "fused",

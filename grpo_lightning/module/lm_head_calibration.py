@@ -105,3 +105,15 @@ def resolve_chunk_tokens(value: int | str, head: torch.nn.Module, hidden: torch.
         return CPU_CHUNK_TOKENS
     dtype = torch.get_autocast_dtype("cuda") if hidden.is_cuda and torch.is_autocast_enabled("cuda") else hidden.dtype
     return auto_chunk_tokens(head, hidden.shape[-1], hidden.device, dtype)
+
+
+def planned_chunk_tokens(value: int | str, device: torch.device) -> int:
+    """The chunk size a memory estimate assumes: ``value``, or for ``"auto"`` the largest
+    :data:`CANDIDATES` on CUDA (the calibration may pick it) and :data:`CPU_CHUNK_TOKENS` elsewhere.
+
+    >>> planned_chunk_tokens("auto", torch.device("cpu")), planned_chunk_tokens("auto", torch.device("cuda")), planned_chunk_tokens(64, torch.device("cuda"))
+    (1024, 16384, 64)
+    """
+    if value != "auto":
+        return int(value)
+    return max(CANDIDATES) if device.type == "cuda" else CPU_CHUNK_TOKENS
