@@ -187,3 +187,31 @@ def test_plain_sdpa_calls_pass_through_the_dispatch_unchanged():
     with torch.no_grad():  # the padded path with a 2-D mask: transformers' own sdpa masks
         got = completion_logprobs(model, *batch[:4], TEMPERATURE, options=ForwardOptions(padding_free=False))
     assert_same_values(got, want, batch[3])
+
+
+def test_cli_parses_the_kernel_and_auto_chunks(tmp_path):
+    import yaml
+
+    from grpo_lightning import cli
+    from tests.helpers import make_model_dir, write_prompts
+
+    config = {
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"), "logger": False},
+        "model": {"model": make_model_dir(tmp_path / "model"), "save_final_model": False,
+                  "forward": {"attention_kernel": "flex", "lm_head_chunk_tokens": "auto"}},
+        "data": {"dataset": write_prompts(tmp_path / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
+                 "num_generations": 2, "per_device_train_batch_size": 4, "generation": {"max_completion_length": 4}},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    parsed = cli.GRPOLightningCLI(
+        cli.GRPOModule, cli.RolloutDataModule, trainer_defaults=cli.TRAINER_DEFAULTS, save_config_callback=None,
+        args=["--config", str(path), "--model.forward.lm_head_chunk_tokens", "512"], run=False,
+        auto_configure_optimizers=False,
+    )
+    assert parsed.model.forward_options == ForwardOptions(attention_kernel="flex", lm_head_chunk_tokens=512)
+    parsed = cli.GRPOLightningCLI(
+        cli.GRPOModule, cli.RolloutDataModule, trainer_defaults=cli.TRAINER_DEFAULTS, save_config_callback=None,
+        args=["--config", str(path)], run=False, auto_configure_optimizers=False,
+    )
+    assert parsed.model.forward_options.lm_head_chunk_tokens == "auto"
