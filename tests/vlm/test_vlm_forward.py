@@ -73,14 +73,16 @@ def _assert_rows_match(logps, expected, batch):
         torch.testing.assert_close(got, ref, rtol=0, atol=ATOL)
 
 
-def test_training_forward_takes_the_pixel_inputs_and_matches_each_row_alone(setup):
+@pytest.mark.parametrize("options", [ForwardOptions(), ForwardOptions.plain(), ForwardOptions(lm_head_chunk_tokens=3)],
+                         ids=["chunked_head", "plain", "chunks_of_3"])
+def test_training_forward_takes_the_pixel_inputs_and_matches_each_row_alone(setup, options):
     model, _, prompts, batch = setup
     with torch.no_grad():
         expected = _reference(model, prompts, batch)
     model.zero_grad()
     logps, entropies = completion_logprobs(
         model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.temperature,
-        options=ForwardOptions(), model_inputs=batch.model_inputs,  # default options: chunked head and packing on
+        options=options, model_inputs=batch.model_inputs,
     )
     assert logps.requires_grad and entropies is not None
     _assert_rows_match(logps, expected, batch)
@@ -140,3 +142,23 @@ def test_a_row_count_mismatch_is_an_error(setup):
     with pytest.raises(ValueError, match="5 rows of image inputs for a batch of 6 rows"):
         completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
                             1.0, model_inputs=batch.model_inputs.select(range(5)))
+
+
+def test_the_chunked_head_runs_on_real_completion_tokens_only(setup):
+    """With ``chunked_lm_head`` the model's own head sees one position per row and the chunks hold
+    only real completion tokens; the plain path's head sees T+1 positions per row."""
+    model, _, _, batch = setup
+    shapes = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape[:-1])))
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                1.0, options=ForwardOptions(lm_head_chunk_tokens=8), model_inputs=batch.model_inputs)
+            chunked, shapes[:] = list(shapes), []
+            completion_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                1.0, options=ForwardOptions.plain(), model_inputs=batch.model_inputs)
+    finally:
+        hook.remove()
+    real = int(batch.completion_mask.sum())  # 20 real completion tokens
+    assert chunked[0] == (6, 1) and [s[0] for s in chunked[1:]] == [8, 8, real - 16]
+    assert shapes == [(6, batch.completion_ids.shape[1] + 1)]
