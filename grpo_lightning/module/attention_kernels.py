@@ -9,8 +9,9 @@ mask), and sdpa's flash kernel takes no mask, so CUDA falls back to a slower ker
   (document-causal for packing, the prompt-sharing mask for shared prefixes), compiled on CUDA;
 * ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash, ``cu_seqlens``) over the
   flattened packed tokens; packing without a shared prompt only (a tree mask is not a set of
-  independent sequences), bf16/fp16 on CUDA. Elsewhere it computes the same attention with
-  sdpa and the block-diagonal mask (the tests run that fallback on CPU);
+  independent sequences), bf16/fp16 on CUDA. Otherwise the same attention runs as flex with the
+  document mask (CUDA: float32, dropout aside) or as sdpa with the block-diagonal mask (CPU: the
+  tests run that path);
 * ``auto``: on CUDA ``flex`` for a shared prompt and ``varlen`` for plain packing; ``sdpa_mask``
   elsewhere.
 
@@ -25,7 +26,7 @@ arguments of the decoder layer, so gradient checkpointing's recompute sees them 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,12 +54,14 @@ class VarlenSequences:
     Attributes:
         cu_seqlens: ``(S + 1,)`` int32 offsets of the sequences in the flattened ``R·W`` tokens.
         max_seqlen: the longest sequence.
-        seq_ids: ``(R, W)`` sequence id of each slot (the fallback's block-diagonal mask).
+        seq_ids: ``(R, W)`` sequence id of each slot (the fallbacks' masks).
+        cache: the fallback's mask, built at the first layer and reused by the others.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     seq_ids: torch.Tensor
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # Rows of a prompt-shared layout under flex: its mask is built dense per row first ((W, W) bools),
@@ -224,9 +227,20 @@ def _varlen(
             scale=scaling, enable_gqa=key.shape[1] != heads,
         )  # (R·W, H, D)
         return out.view(rows, width, heads, dim), None
+    # No flash varlen here (CPU, float32, dropout): on CUDA flex with the document mask (block-sparse,
+    # like varlen), elsewhere sdpa with the dense block-diagonal mask.
+    use_flex = query.is_cuda and not dropout
     reason = f"{query.device.type} {query.dtype}" + (" with dropout" if dropout else "")
     if reason not in _logged:
         _logged.add(reason)
-        log.info("varlen attention kernel: no flash varlen for %s; sdpa with the block-diagonal mask.", reason)
-    mask = dense_mask(document_causal_mask_mod(sequences.seq_ids), rows, width, query.device)
-    return _original_sdpa(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        log.info("varlen attention kernel: no flash varlen for %s; %s.", reason,
+                 "flex attention with the document mask" if use_flex else "sdpa with the block-diagonal mask")
+    mod = document_causal_mask_mod(sequences.seq_ids)
+    if use_flex:
+        if "block" not in sequences.cache:
+            sequences.cache["block"] = block_mask(mod, rows, width, query.device)
+        return _flex(query, key, value, sequences.cache["block"], scaling), None
+    if "dense" not in sequences.cache:
+        sequences.cache["dense"] = dense_mask(mod, rows, width, query.device)
+    return _original_sdpa(module, query, key, value, sequences.cache["dense"], dropout=dropout, scaling=scaling,
+                          **kwargs)
