@@ -257,3 +257,20 @@ def test_tokenizer_and_lora_objects_become_settings(tmp_path):
     assert saved("12+3=").input_ids == tokenizer("12+3=").input_ids
     lora = config["model"]["peft_config"]
     assert (lora["r"], lora["lora_alpha"], sorted(lora["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+
+
+def test_hf_callback_classes_go_into_the_yaml_file(fit_parser, tmp_path):
+    from grpo_lightning.trl_compat.callbacks import TrainerCallbacks
+    from tests.trl_compat.rewards import StopAfterFirstStep
+
+    args = GRPOConfig(output_dir=str(tmp_path), logging_steps=2)
+    config = yaml.safe_load(config_to_yaml(args, model="org/model", callbacks=[StopAfterFirstStep]))
+    (entry,) = config["trainer"]["callbacks"]
+    assert entry == {"class_path": "grpo_lightning.trl_compat.callbacks.TrainerCallbacks", "init_args": {
+        "callbacks": ["tests.trl_compat.rewards.StopAfterFirstStep"], "args": {"output_dir": str(tmp_path),
+                                                                            "logging_steps": 2}}}
+    fit_parser.parse_object(config)
+    built = TrainerCallbacks(**entry["init_args"])  # what grpo fit builds from it
+    assert isinstance(built.callbacks[0], StopAfterFirstStep) and built.args.logging_steps == 2
+    with pytest.raises(ReplayError, match="is an instance: pass its class"):
+        config_to_yaml(args, callbacks=[StopAfterFirstStep()])
