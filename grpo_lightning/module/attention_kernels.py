@@ -107,15 +107,16 @@ def resolve_kernel(requested: str, device: torch.device, *, shared: bool) -> str
 
 
 def varlen_supported() -> bool:
-    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` with the ``scale`` and
-    ``enable_gqa`` arguments the kernel passes (older releases: ``varlen`` runs as ``flex``)."""
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` with the ``scale``,
+    ``enable_gqa`` and ``window_size`` (causality) arguments the kernel passes; older releases
+    (``is_causal``) run ``varlen`` as ``flex``."""
     try:
         import inspect
 
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return False
-    return {"scale", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
+    return {"scale", "enable_gqa", "window_size"} <= set(inspect.signature(varlen_attn).parameters)
 
 
 def kernel_inputs(layout: TokenLayout, kernel: str) -> tuple[torch.Tensor | Any | None, dict[str, Any]]:
@@ -204,6 +205,11 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
     return out.transpose(1, 2).contiguous()
 
 
+def _flash_varlen_runs(query: torch.Tensor, dropout: float) -> bool:
+    """Flash varlen takes bf16/fp16 CUDA tensors and no dropout."""
+    return query.is_cuda and query.dtype in _HALF and not dropout
+
+
 def _varlen(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -215,7 +221,7 @@ def _varlen(
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
     rows, heads, width, dim = query.shape
-    if query.is_cuda and query.dtype in _HALF and not dropout:
+    if _flash_varlen_runs(query, dropout):
         from torch.nn.attention.varlen import varlen_attn
 
         def flat(x: torch.Tensor) -> torch.Tensor:  # (R, H, W, D) -> (R·W, H, D)
@@ -224,7 +230,7 @@ def _varlen(
         n = sequences.max_seqlen
         out = varlen_attn(
             flat(query), flat(key), flat(value), sequences.cu_seqlens, sequences.cu_seqlens, n, n,
-            scale=scaling, enable_gqa=key.shape[1] != heads,
+            scale=scaling, enable_gqa=key.shape[1] != heads, window_size=(-1, 0),  # (-1, 0): causal
         )  # (R·W, H, D)
         return out.view(rows, width, heads, dim), None
     # No flash varlen here (CPU, float32, dropout): on CUDA flex with the document mask (block-sparse,

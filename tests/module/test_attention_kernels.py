@@ -215,3 +215,37 @@ def test_cli_parses_the_kernel_and_auto_chunks(tmp_path):
         args=["--config", str(path)], run=False, auto_configure_optimizers=False,
     )
     assert parsed.model.forward_options.lm_head_chunk_tokens == "auto"
+
+
+def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False,
+                           window_size=(-1, -1), **unused):
+    """torch's varlen_attn contract written with sdpa, one sequence at a time: ``(T, H, D)``
+    inputs, ``window_size=(-1, 0)`` causal, ``(-1, -1)`` full."""
+    assert torch.equal(cu_q, cu_k) and max_q == max_k and cu_q.dtype == torch.int32
+    assert int((cu_q[1:] - cu_q[:-1]).max()) == max_q and int(cu_q[-1]) == q.shape[0] == k.shape[0]
+    assert window_size in ((-1, 0), (-1, -1)) and not unused
+    out = torch.empty_like(q)
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        part = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+            is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa,
+        )
+        out[start:end] = part.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("architecture, tie", [("llama", False), ("qwen2", True)])
+def test_flash_varlen_call_matches_plain(architecture, tie, monkeypatch, kernel_calls, no_plain_fallback):
+    """The flash branch's plumbing (flattening, cu_seqlens, GQA, scale, causality, the output's
+    shape) with torch's varlen_attn replaced by its contract written out, in float64 on CPU."""
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen_attn)
+    monkeypatch.setattr(attention_kernels, "_flash_varlen_runs", lambda query, dropout: not dropout)
+    model = tiny(architecture, tie=tie)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA is exercised
+    batch = make_batch(seed=2)
+    want = reference(model, batch)
+    options = ForwardOptions(attention_kernel="varlen", share_prompt_prefix=False, lm_head_chunk_tokens=5)
+    assert_same(run(model, batch, options), want, batch[3])
+    assert kernel_calls["varlen"] == model.config.num_hidden_layers
