@@ -249,3 +249,27 @@ def test_flash_varlen_call_matches_plain(architecture, tie, monkeypatch, kernel_
     options = ForwardOptions(attention_kernel="varlen", share_prompt_prefix=False, lm_head_chunk_tokens=5)
     assert_same(run(model, batch, options), want, batch[3])
     assert kernel_calls["varlen"] == model.config.num_hidden_layers
+
+
+def _reference_flex_attention(q, k, v, *, block_mask, scale=None, enable_gqa=False, **unused):
+    """flex_attention's contract with a ``BlockMask`` written with sdpa: its ``mask_mod`` on every
+    pair (``(B, H, S, D)`` inputs)."""
+    assert not unused
+    rows, width = q.shape[0], q.shape[2]
+    mask = dense_mask(block_mask.mask_mod, rows, width, q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_flex_call_matches_plain_with_gradients(share, monkeypatch, kernel_calls, no_plain_fallback):
+    """The flex branch's plumbing (the BlockMask it builds, GQA, scale, the output's layout) with
+    gradients, flex_attention replaced by its contract (CPU has no flex backward), in float64."""
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "flex_attention", _reference_flex_attention)
+    model = tiny("qwen2", tie=True)
+    batch = make_grouped(seed=4) if share else make_batch(seed=4)
+    want = reference(model, batch)
+    options = ForwardOptions(attention_kernel="flex", share_prompt_prefix=share, lm_head_chunk_tokens=6)
+    assert_same(run(model, batch, options), want, batch[3])
+    assert kernel_calls["flex"] == model.config.num_hidden_layers
