@@ -65,11 +65,21 @@ def wire_agent(
     return dataset, funcs, reward_weights, wrapped
 
 
+#: The prompt of a row when the environment makes it: ``reset()``'s text is appended to it.
+ENVIRONMENT_PROMPT: list[dict[str, str]] = [{"role": "user", "content": ""}]
+
+
 def placeholder_dataset(rows: int = PLACEHOLDER_ROWS) -> Any:
     """Rows with an empty user message: the prompt is what each environment's ``reset()`` returns."""
     import datasets
 
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+    return datasets.Dataset.from_dict({"prompt": [ENVIRONMENT_PROMPT] * rows})
+
+
+def environment_prompt(agent: AgentSettings | None) -> list[dict[str, str]] | None:
+    """The prompt of rows without one (a dataset that only routes, as the seed's several
+    environments): an empty user message that ``reset()`` fills; ``None`` without environments."""
+    return ENVIRONMENT_PROMPT if agent is not None and agent.environment_factory is not None else None
 
 
 @dataclass
@@ -174,4 +184,4 @@ def gathered_tool_metrics(rollouts: Sequence[Rollout], gather_rows: Any, counted
         counts = counts[counted]
     return tool_metrics(counts[:, 0].cpu(), counts[:, 1].cpu())
 
-__all__ = ["AgentBatch", "PLACEHOLDER_ROWS", "gathered_tool_metrics", "placeholder_dataset", "start_agent_batch", "wire_agent"]
+__all__ = ["AgentBatch", "ENVIRONMENT_PROMPT", "PLACEHOLDER_ROWS", "environment_prompt", "gathered_tool_metrics", "placeholder_dataset", "start_agent_batch", "wire_agent"]

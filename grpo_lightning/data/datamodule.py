@@ -13,7 +13,7 @@ from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader
 
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
-from grpo_lightning.data.agent_wiring import AgentSettings, wire_agent
+from grpo_lightning.data.agent_wiring import AgentSettings, environment_prompt, wire_agent
 from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, isolated_rng
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
@@ -170,7 +170,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.sampler = get_sampler(fresh_instance(sampler))
         self.dataset_source = dict(
             path_or_name=dataset, name=dataset_config, split=split, data_files=data_files,
-            prompt_column=prompt_column, prompt_template=prompt_template,
+            prompt_column=prompt_column, prompt_template=prompt_template, default_prompt=environment_prompt(agent),
         )
         self.num_generations = num_generations
         self.per_device_train_batch_size = per_device_train_batch_size

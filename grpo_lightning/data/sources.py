@@ -148,6 +148,7 @@ def load_prompt_dataset(
     prompt_template: str | None = None,
     streaming: bool = False,
     cache_dir: str | None = None,
+    default_prompt: Any = None,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """Load a prompt dataset and make sure it has a ``prompt`` column.
 
@@ -165,6 +166,9 @@ def load_prompt_dataset(
             format string such as ``"Make {target} from {nums}."``.
         streaming: Return an ``IterableDataset`` instead of loading everything.
         cache_dir: ``datasets`` cache folder; ``None`` uses the default.
+        default_prompt: The prompt of every row when the dataset has no prompt column (an
+            environment whose ``reset()`` makes the prompt: the rows only route and parametrise);
+            ``None``: a missing prompt column is an error.
 
     Returns:
         The dataset, with a ``prompt`` column.
@@ -188,6 +192,9 @@ def load_prompt_dataset(
         dataset = _apply_template(dataset, prompt_template, list(columns), label)
         _check_prompts(dataset, label, f"rendered by data.prompt_template={prompt_template!r}")
         return dataset
+    if prompt_column not in columns and default_prompt is not None:
+        dataset = dataset.map(lambda row: {"prompt": default_prompt})
+        columns = [*columns, "prompt"]
     if prompt_column not in columns:
         hint = "" if prompt_column != "prompt" else " (for example data.prompt_column: question)"
         raise ValueError(

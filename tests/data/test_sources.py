@@ -201,3 +201,16 @@ def test_a_template_rendering_empty_prompts_is_reported(tmp_path: Path, cache: s
     many = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": ""}] * 8)
     with pytest.raises(ValueError, match=r"row 4: empty text \(and 3 more\)"):
         load_prompt_dataset(str(many), cache_dir=cache)
+
+
+def test_a_routing_dataset_without_prompts_gets_the_environment_prompt(tmp_path: Path, cache: str) -> None:
+    """Rows that only route (``environment``) and parametrise: an environment's ``reset()`` makes
+    the prompt, so each row gets the empty user message it fills; without ``default_prompt`` the
+    missing column is still an error naming the setting."""
+    from grpo_lightning.data.agent_wiring import ENVIRONMENT_PROMPT
+
+    path = str(_write_jsonl(tmp_path / "r.jsonl", [{"environment": "coding", "level": 1}, {"environment": "game", "level": 2}]))
+    ds = load_prompt_dataset(path, cache_dir=cache, default_prompt=ENVIRONMENT_PROMPT)
+    assert ds["prompt"] == [ENVIRONMENT_PROMPT] * 2 and ds["environment"] == ["coding", "game"] and ds["level"] == [1, 2]
+    with pytest.raises(ValueError, match="has no 'prompt' column.*data.prompt_column"):
+        load_prompt_dataset(path, cache_dir=cache)

@@ -72,9 +72,8 @@ EXAMPLES: dict[int, Example] = {
         "the block points to the docstring of the block above for its tool; it is copied in"),
     24: Example("environment reward plus a reward function", "run",
                 (("    ...\n", "    return [float(len(c[-1]['content'])) for c in completions]\n"),)),
-    25: Example("several environments", "pending:#12", (('["coding", "game"] * 500', '["coding", "game"] * 4'),),
-                "a routing dataset with only the environment column (no prompt: each reset() makes it) is refused "
-                "when the dataset loads; the test runs it as an expected failure until #12 accepts it"),
+    25: Example("several environments", "run", (('["coding", "game"] * 500', '["coding", "game"] * 4'),),
+                "a routing dataset with only the environment column: each reset() makes the prompt"),
     26: Example("multimodal tool result", "pending:#13", why="vision-language models arrive with issue #13"),
     27: Example("GRPOTrainer signature", "signature"),
     28: Example("GRPOTrainer docstring example", "same_as:0"),

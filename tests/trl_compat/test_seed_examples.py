@@ -204,8 +204,6 @@ def test_environments(tiny_model, short_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="#12: a routing dataset without a prompt column (TRL: each reset() makes the "
-                   "prompt) is refused when data.dataset is loaded")
 def test_several_environments(tiny_model, short_runs):
     def reward_func(completions, environments, **kwargs):
         return [float(type(env).__name__ == "CodingEnv") for env in environments]
