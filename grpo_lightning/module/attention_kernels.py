@@ -179,8 +179,26 @@ def _dispatch(
     if _is_block_mask(attention_mask):
         if dropout:
             raise ValueError("flex attention kernel: attention dropout is not supported; set it to 0 in the config.")
+        if not _flex_takes(query):
+            # Head sizes the compiled flex kernel may refuse: the same mask, dense, through sdpa.
+            if "head_dim" not in _logged:
+                _logged.add("head_dim")
+                log.info("flex attention kernel: head_dim %d is not a power of two >= 16; sdpa with the dense mask.",
+                         query.shape[-1])
+            dense = getattr(attention_mask, "_grpo_dense", None)
+            if dense is None:  # built at the first layer, reused by the others
+                dense = dense_mask(attention_mask.mask_mod, query.shape[0], query.shape[2], query.device)
+                attention_mask._grpo_dense = dense
+            return _original_sdpa(module, query, key, value, dense, dropout=dropout, scaling=scaling, **kwargs)
         return _flex(query, key, value, attention_mask, scaling), None
     return _original_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _flex_takes(query: torch.Tensor) -> bool:
+    """Off CUDA flex runs eagerly (any head size); compiled on CUDA, head sizes that are a power
+    of two >= 16 (others may not compile on every torch release)."""
+    dim = query.shape[-1]
+    return not query.is_cuda or (dim >= 16 and dim & (dim - 1) == 0)
 
 
 def _is_block_mask(mask: Any) -> bool:

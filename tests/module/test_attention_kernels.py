@@ -273,3 +273,11 @@ def test_flex_call_matches_plain_with_gradients(share, monkeypatch, kernel_calls
     options = ForwardOptions(attention_kernel="flex", share_prompt_prefix=share, lm_head_chunk_tokens=6)
     assert_same(run(model, batch, options), want, batch[3])
     assert kernel_calls["flex"] == model.config.num_hidden_layers
+
+
+def test_flex_with_an_unsupported_head_size_runs_the_dense_mask(monkeypatch, kernel_calls, no_plain_fallback):
+    monkeypatch.setattr(attention_kernels, "_flex_takes", lambda query: False)  # as a head_dim of 24 on CUDA
+    model = tiny("qwen2", tie=True)
+    batch = make_grouped(seed=5)
+    assert_same(run(model, batch, ForwardOptions(attention_kernel="flex")), reference(model, batch), batch[3])
+    assert kernel_calls["flex"] == 0
