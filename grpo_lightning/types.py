@@ -197,19 +197,25 @@ class RowInputs:
     ``(patches_i, D)`` and ``image_grid_thw`` ``(images_i, 3)``), batch-first fields with their
     batch dim of 1 (Idefics3's ``pixel_values`` ``(1, images_i, 3, H, W)``), and the fields aligned
     with the prompt tokens (``token_fields``, e.g. ``mm_token_type_ids``) as ``(Lp_i,)``.
+    ``completion_rows[name][i]`` (token fields only, optional) is row ``i``'s value over its first
+    ``C_i`` completion tokens (an agent's tool turn rendered with images puts image tokens there);
+    absent: zeros.
     """
 
     rows: dict[str, list[torch.Tensor]]
     token_fields: tuple[str, ...] = ()
+    completion_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(next(iter(self.rows.values()), []))
 
     def select(self, rows: Sequence[int]) -> "RowInputs":
-        return RowInputs({k: [v[i] for i in rows] for k, v in self.rows.items()}, self.token_fields)
+        return RowInputs({k: [v[i] for i in rows] for k, v in self.rows.items()}, self.token_fields,
+                         {k: [v[i] for i in rows] for k, v in self.completion_rows.items()})
 
     def to(self, device: torch.device | str) -> "RowInputs":
-        return RowInputs({k: [t.to(device) for t in v] for k, v in self.rows.items()}, self.token_fields)
+        return RowInputs({k: [t.to(device) for t in v] for k, v in self.rows.items()}, self.token_fields,
+                         {k: [t.to(device) for t in v] for k, v in self.completion_rows.items()})
 
     def collate(self, prompt_width: int, completion_width: int = 0) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for all rows: token fields left-padded to ``prompt_width``
@@ -221,6 +227,9 @@ class RowInputs:
                 padded = values[0].new_zeros((len(values), prompt_width + completion_width))
                 for i, v in enumerate(values):
                     padded[i, prompt_width - v.shape[0] : prompt_width] = v
+                for i, v in enumerate(self.completion_rows.get(name, [])[: len(values)]):
+                    n = min(v.shape[0], completion_width)  # (C_i,) over the completion's first tokens
+                    padded[i, prompt_width : prompt_width + n] = v[:n]
                 out[name] = padded
                 continue
             shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_lightning.agents.tool_images import ImageTurn, RowImages
 from grpo_lightning.tools import AssistantTurn, Toolbox, ToolResult
-from grpo_lightning.types import Rollout
+from grpo_lightning.types import Rollout, RowInputs
 
 #: ``Rollout.extra`` fields an agent rollout carries (reward functions receive them as columns).
 NUM_TOOL_CALLS, NUM_TOOL_FAILURES, TOOL_IMAGES = "num_tool_calls", "num_tool_failures", "tool_images"
@@ -34,6 +35,9 @@ class Episode:
         iterations: Rounds of tool calls executed.
         tool_calls, tool_failures: Calls made, and how many failed.
         images: Images returned by tools (content blocks of type ``image``), in order.
+        image_inputs: The row's image inputs (vision-language policies): the prompt's (an image
+            prompt's ``model_inputs``, taken from ``prompt_ids`` when it carries them), then each
+            tool turn's rendered images', in the order of their image tokens; ``None`` without images.
     """
 
     prompt_ids: list[int]
@@ -51,11 +55,20 @@ class Episode:
     images: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     last_turn: AssistantTurn | None = None
+    image_inputs: RowImages | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_inputs is None:
+            self.image_inputs = RowImages.of_prompt(self.prompt_ids)
+        self.prompt_ids = list(self.prompt_ids)
 
     @property
     def context_ids(self) -> list[int]:
-        """The ids the next turn is generated from: prompt and completion so far."""
-        return self.prompt_ids + self.completion_ids
+        """The ids the next turn is generated from: prompt and completion so far (a
+        :class:`~grpo_lightning.agents.tool_images.ContextPrompt` with the row's image inputs when it has any)."""
+        if self.image_inputs is None:
+            return self.prompt_ids + self.completion_ids
+        return self.image_inputs.context(self.prompt_ids, self.completion_ids)
 
     def add_generated(self, rollout: Rollout, turn_ids: list[int], ended_on_eos: bool, turn: AssistantTurn) -> None:
         """Append one generated turn (``turn_ids``, already cut to the budget) and its parse."""
@@ -73,8 +86,15 @@ class Episode:
         self.last_turn = turn
         self.messages.append(turn.message())
 
-    def add_tool_turn(self, ids: list[int], results: list[ToolResult]) -> None:
-        """Append the tool-turn ids (out of the loss) and the tool messages."""
+    def add_tool_turn(self, ids: list[int], results: list[ToolResult], images: ImageTurn | None = None) -> None:
+        """Append the tool-turn ids (out of the loss), the tool messages, and the inputs of the
+        images the ids were rendered with (``images``, whose ids are ``ids``; ``None``: text only)."""
+        if images is not None:
+            offset = len(self.completion_ids)
+            if self.image_inputs is None:
+                self.image_inputs = RowImages.start(images, offset, len(self.prompt_ids))
+            else:
+                self.image_inputs.add(images, offset)
         self.completion_ids.extend(ids)
         self.tool_mask.extend([0] * len(ids))
         if self.sampling_logprobs is not None:
@@ -94,14 +114,29 @@ class Episode:
         """The last turn ended properly and asked for tools."""
         return self.ended_on_eos and self.last_turn is not None and bool(self.last_turn.tool_calls)
 
-    def rollout(self) -> Rollout:
+    def rollout(self, like: RowImages | None = None) -> Rollout:
+        """The finished rollout (``like``: see :meth:`row_inputs`)."""
         extra = {**self.extra, NUM_TOOL_CALLS: self.tool_calls, NUM_TOOL_FAILURES: self.tool_failures,
                  TOOL_IMAGES: list(self.images)}
         return Rollout(
             prompt_ids=list(self.prompt_ids), completion_ids=list(self.completion_ids), ended_on_eos=self.ended_on_eos,
             policy_version=self.policy_version, sampling_logprobs=self.sampling_logprobs, tool_mask=list(self.tool_mask),
-            extra=extra,
+            extra=extra, model_inputs=self.row_inputs(like),
+            images=None if self.image_inputs is None else [*self.image_inputs.images, *self.images] or None,
         )
+
+    def images_or_empty(self, like: RowImages | None) -> RowImages | None:
+        """The row's image inputs; when it has none and ``like`` (another row's) is given, empty
+        ones in ``like``'s fields (a batch takes image inputs for all rows or none)."""
+        if self.image_inputs is not None or like is None:
+            return self.image_inputs
+        return RowImages.empty(like, len(self.prompt_ids))
+
+    def row_inputs(self, like: RowImages | None = None) -> RowInputs | None:
+        """The one-row :class:`~grpo_lightning.types.RowInputs` of the images (``like``: see
+        :meth:`images_or_empty`)."""
+        images = self.images_or_empty(like)
+        return None if images is None else images.row_inputs(len(self.completion_ids))
 
 
 __all__ = ["AGENT_FIELDS", "Episode", "NUM_TOOL_CALLS", "NUM_TOOL_FAILURES", "TOOL_IMAGES"]

@@ -29,12 +29,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 from grpo_lightning.agents.environments import EnvironmentSet
 from grpo_lightning.agents.episode import AGENT_FIELDS, Episode
+from grpo_lightning.agents.tool_images import ImageTurn, image_tool_turn
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.tools import (
     AssistantTurn, TemplateError, ToolCallParser, Toolbox, ToolTurnTemplate, execute_calls, get_parser,
     training_chat_template,
 )
+from grpo_lightning.tools.templates import image_blocks
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ class AgentSampler(Sampler):
     # ------------------------------------------------------------------ the loop
     def generate(self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams) -> list[Rollout]:
         """The tool loop for prompts already rendered with the standalone tools' schemas."""
-        episodes = [Episode(list(p), self.tools) for p in prompts for _ in range(num_generations)]
+        episodes = [Episode(p, self.tools) for p in prompts for _ in range(num_generations)]  # image prompts: their inputs
         return self.run(episodes, params, group=num_generations)
 
     def run(self, episodes: list[Episode], params: GenerationParams, group: int = 1,
@@ -172,9 +174,9 @@ class AgentSampler(Sampler):
         generate = generate or self.inner.generate
         budget = params.max_completion_length
         if group > 1:
-            first = generate([e.prompt_ids for e in episodes[::group]], group, params)
+            first = generate(self._contexts(episodes[::group]), group, params)
         else:
-            first = generate([e.prompt_ids for e in episodes], 1, params)
+            first = generate(self._contexts(episodes), 1, params)
         for episode, rollout in zip(episodes, first):
             self._add_turn(episode, rollout, budget)
         active = [e for e in episodes if e.wants_tools]
@@ -186,28 +188,63 @@ class AgentSampler(Sampler):
             continuing = []
             for episode, row_results in zip(active, results):
                 episode.count(row_results)
-                ids = template.tool_turn_ids([r.message() for r in row_results], [r.call.name for r in row_results])
+                ids, images = self._tool_turn(template, row_results)
                 if self._fits(episode, len(ids), budget):
-                    episode.add_tool_turn(ids, row_results)
+                    episode.add_tool_turn(ids, row_results, images)
                     continuing.append(episode)
-                    self._note_images(episode)
+                    if images is None:
+                        self._note_images(episode)
             if not continuing:
                 break
             room = [budget - len(e.completion_ids) for e in continuing]
-            turns = generate([e.context_ids for e in continuing], 1, replace(params, max_completion_length=max(room)))
+            turns = generate(self._contexts(continuing), 1, replace(params, max_completion_length=max(room)))
             for episode, rollout, left in zip(continuing, turns, room):
                 self._add_turn(episode, rollout, left)
             active = [e for e in continuing if e.wants_tools]
             rounds += 1
-        return [e.rollout() for e in episodes]
+        like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
+        return [e.rollout(like) for e in episodes]
+
+    # ------------------------------------------------------------------ images in tool turns
+    def _processor(self) -> Any | None:
+        """The policy's multimodal processor (``tokenizer.processor``), or ``None`` (text-only policy)."""
+        return getattr(self.handle.tokenizer, "processor", None)
+
+    def _tool_turn(self, template: ToolTurnTemplate, results: Sequence[Any]) -> tuple[list[int], ImageTurn | None]:
+        """The tool turn's ids, and the inputs of the images they were rendered with: a
+        vision-language policy's tool images are rendered by its processor; otherwise text only."""
+        messages, names = [r.message() for r in results], [r.call.name for r in results]
+        processor = self._processor()
+        if processor is None or not any(image_blocks(m.get("content")) for m in messages):
+            return template.tool_turn_ids(messages, names), None
+        if not getattr(self.inner, "supports_images", False):
+            raise ConfigError(
+                f"a tool returned images for a vision-language policy, but the sampler {type(self.inner).__name__} "
+                "does not take image inputs, so the next turn could not see them: use data.sampler: hf_generate."
+            )
+        try:
+            turn = image_tool_turn(template, processor, messages, names)
+        except TemplateError as err:
+            raise ConfigError(f"data.agent: {err}") from err
+        return turn.ids, turn
+
+    @staticmethod
+    def _contexts(episodes: Sequence[Episode]) -> list[Any]:
+        """The episodes' contexts for one generation call: when some rows have images, the
+        others carry empty image inputs (the back-end takes image inputs for all rows or none)."""
+        like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
+        if like is None:
+            return [e.context_ids for e in episodes]
+        return [e.images_or_empty(like).context(e.prompt_ids, e.completion_ids) for e in episodes]  # type: ignore[union-attr]
 
     def _note_images(self, episode: Episode) -> None:
         if episode.images and not self._warned_images:
             self._warned_images = True
             log.warning(
                 "a tool returned images: they are kept in the conversation (reward functions' completions, "
-                "Rollout.extra['tool_images']), but the tool turn's tokens render only its text blocks (text-only "
-                "rendering until VLM training is supported)."
+                "Rollout.extra['tool_images']), but the policy has no multimodal processor (a text-only model), so "
+                "the tool turn's tokens render only its text blocks. For a vision-language policy set "
+                "model.tokenizer to its processor: tool images are then rendered and fed to the next turn."
             )
 
     def _fits(self, episode: Episode, tool_tokens: int, budget: int) -> bool:

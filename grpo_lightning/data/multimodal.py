@@ -211,7 +211,10 @@ def row_inputs_of(rollouts: Sequence[Rollout]) -> RowInputs | None:
     for i, r in enumerate(rollouts):
         if sorted(r.model_inputs.rows) != names:
             raise ValueError(f"row {i} has model inputs {sorted(r.model_inputs.rows)}, row 0 has {names}.")
-    return RowInputs({n: [v for r in rollouts for v in r.model_inputs.rows[n]] for n in names}, first.token_fields)
+    completion = {n: [r.model_inputs.completion_rows.get(n, [v.new_zeros(0) for v in r.model_inputs.rows[n]])
+                      for r in rollouts] for n in first.token_fields if any(r.model_inputs.completion_rows for r in rollouts)}
+    return RowInputs({n: [v for r in rollouts for v in r.model_inputs.rows[n]] for n in names}, first.token_fields,
+                     {n: [v for values in per_row for v in values] for n, per_row in completion.items()})
 
 
 def image_column(rollouts: Sequence[Rollout]) -> list[Any] | None:

@@ -67,6 +67,27 @@ def render_ids(
     return list(ids)
 
 
+def image_blocks(content: Any) -> list[Any]:
+    """The images of a tool message's content blocks (``{"type": "image", "image": ...}``), in order."""
+    if not isinstance(content, list):
+        return []
+    return [block.get("image") for block in content if isinstance(block, dict) and block.get("type") == "image"]
+
+
+def image_parts(content: Any) -> Any:
+    """A tool message's content for a processor's chat template: image blocks become
+    ``{"type": "image"}`` placeholders (the processor gets the images), text blocks stay."""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, dict) and block.get("type") == "image":
+            parts.append({"type": "image"})
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append({"type": "text", "text": str(block.get("text", ""))})
+    return parts
+
+
 def text_only(content: Any) -> Any:
     """A tool message's content for a text-only model: content blocks become their text parts."""
     if not isinstance(content, list):
@@ -111,8 +132,41 @@ class ToolTurnTemplate:
         """
         return self._tool_turn_ids([_PROBE_USER], tool_messages, call_names)
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+    def tool_turn_with_images(self, tool_messages: Sequence[Mapping[str, Any]], call_names: Sequence[str],
+                              processor: Any) -> tuple[list[int], dict[str, Any]]:
+        """:meth:`tool_turn_ids` for a vision-language policy: the tool messages' image blocks
+        are rendered as the template's image placeholders, and both probe renderings are
+        encoded by ``processor`` (which expands each placeholder into the model's image tokens).
+
+        Returns:
+            The tool-turn ids and the processor's outputs for the probe rendering with the tool
+            images alone (its ``input_ids`` ``(1, L)``; Qwen-VL: ``pixel_values`` ``(patches, D)``,
+            ``image_grid_thw`` ``(images, 3)``).
+
+        Raises:
+            TemplateError: When the processor renderings are not prefix-preserving.
+        """
+        images = [image for m in tool_messages for image in image_blocks(m.get("content"))]
+        messages = [{**m, "content": image_parts(m.get("content"))} for m in tool_messages]
+        assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
+        before_text = self._render([_PROBE_USER, assistant], tokenize=False)
+        after_text = self._render([_PROBE_USER, assistant, *messages], add_generation_prompt=True, tokenize=False)
+        before = _first_row(processor(text=[before_text], return_tensors="pt")["input_ids"])
+        encoded = processor(text=[after_text], images=images or None, return_tensors="pt")
+        after = _first_row(encoded["input_ids"])
+        cut = self._cut_after_turn(before)
+        if after[: len(cut)] != cut:
+            raise _not_prefix_preserving("appending a tool message with images re-renders the earlier turns")
+        inputs = {k: v for k, v in encoded.items() if k != "attention_mask"}
+        return after[len(cut):], inputs
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+                tokenize: bool = True) -> Any:
         try:
+            if not tokenize:
+                return self.tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
+                    **({} if self.chat_template is None else {"chat_template": self.chat_template}), **self.kwargs)
             return render_ids(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                               chat_template=self.chat_template, **self.kwargs)
         except Exception as err:  # jinja2 raises many types; a template that cannot render a tool exchange
@@ -127,19 +181,22 @@ class ToolTurnTemplate:
         """The tool turn after ``history`` + an assistant turn calling ``call_names``."""
         messages = [{**m, "content": text_only(m.get("content"))} for m in tool_messages]
         assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
-        before = self._render([*history, assistant])
-        ends = [i for i, token in enumerate(before) if token in self.eos_token_ids]
+        before = self._cut_after_turn(self._render([*history, assistant]))
+        after = self._render([*history, assistant, *messages], add_generation_prompt=True)
+        if after[: len(before)] != before:
+            raise _not_prefix_preserving("appending a tool message re-renders the earlier turns")
+        return after[len(before):]
+
+    def _cut_after_turn(self, ids: list[int]) -> list[int]:
+        """``ids`` up to and including their last end-of-turn id."""
+        ends = [i for i, token in enumerate(ids) if token in self.eos_token_ids]
         if not ends:
             raise TemplateError(
                 "the chat template ends an assistant turn with none of the end-of-sequence ids "
                 f"{sorted(self.eos_token_ids)}: the tool loop cannot tell where a turn ends. Use a chat model whose "
                 "template closes assistant turns with its EOS token, or set data.agent.chat_template."
             )
-        before = before[: ends[-1] + 1]
-        after = self._render([*history, assistant, *messages], add_generation_prompt=True)
-        if after[: len(before)] != before:
-            raise _not_prefix_preserving("appending a tool message re-renders the earlier turns")
-        return after[len(before):]
+        return ids[: ends[-1] + 1]
 
     def check(self) -> None:
         """The start-up check: a one-call and a two-call exchange render prefix-preservingly, and
@@ -155,6 +212,12 @@ class ToolTurnTemplate:
             raise _not_prefix_preserving("appending an assistant turn after tool results re-renders the tool results")
         if self._tool_turn_ids(history, [result], ["probe"]) != first:
             raise _not_prefix_preserving("a second round's tool turn renders differently from the first round's")
+
+
+def _first_row(ids: Any) -> list[int]:
+    """The first row of a processor's ``input_ids`` ``(1, L)`` as a list."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
 
 def _not_prefix_preserving(what: str) -> TemplateError:
@@ -213,4 +276,7 @@ def training_chat_template(
     raise first_error
 
 
-__all__ = ["TEMPLATE_FIXES", "TemplateError", "ToolTurnTemplate", "render_ids", "text_only", "training_chat_template"]
+__all__ = [
+    "TEMPLATE_FIXES", "TemplateError", "ToolTurnTemplate", "image_blocks", "image_parts", "render_ids", "text_only",
+    "training_chat_template",
+]

@@ -1,0 +1,201 @@
+"""A tool returning images to a vision-language policy (tiny Qwen2-VL, processor built offline):
+the tool turn's ids come from the processor with the image tokens expanded, the row's image
+inputs grow (prompt image, then tool image), the next turn's generation receives them, and the
+training forward on the final sequence equals a plain model call on the full ids and pixels."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from grpo_lightning.agents import AgentSampler
+from grpo_lightning.data.collate import pad_sequences
+from grpo_lightning.data.multimodal import encode_multimodal_prompt, row_inputs_of
+from grpo_lightning.module.forward import completion_logprobs
+from grpo_lightning.module.forward_options import ForwardOptions
+from grpo_lightning.module.model_loading import load_tokenizer
+from grpo_lightning.samplers.hf_generate import HFGenerateSampler
+from grpo_lightning.tools import Toolbox
+from grpo_lightning.types import GenerationParams
+from tests.agents.scripted import Handle, ScriptedSampler, call
+from tests.vlm.tiny_vlm import color_image, qwen2_vl_model, qwen2_vl_processor
+
+# A Qwen-style template with tool calls and image parts in any message (as Qwen3-VL's renders them).
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message.tool_calls %}{% for c in message.tool_calls %}"
+    "{% if message.content or not loop.first %}\n{% endif %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPT_IMAGE, TOOL_IMAGE = color_image(0, (56, 28)), color_image(1, (28, 56))  # grids (1, 2, 4) and (1, 4, 2)
+ANSWER = "It is blue."
+
+
+def look(kind: str) -> list | str:
+    """Looks at the scene.
+
+    Args:
+        kind: "image" for a picture, anything else for a description.
+    """
+    if kind == "image":
+        return [{"type": "image", "image": TOOL_IMAGE}, {"type": "text", "text": "the scene"}]
+    return "a blue scene"
+
+
+def script(context: str, k: int) -> str:
+    if "<|im_start|>tool" in context:
+        return ANSWER
+    return call("look", kind="image" if "picture" in context else "text")
+
+
+class ImageScripted(ScriptedSampler):
+    """The scripted policy, taking image inputs; records each call's prompts as given."""
+
+    supports_images = True
+
+    def __init__(self) -> None:
+        super().__init__(script)
+        self.prompts: list[list] = []
+
+    def generate(self, prompts, num_generations, params):
+        self.prompts.append(list(prompts))
+        return super().generate(prompts, num_generations, params)
+
+
+@pytest.fixture(scope="module")
+def processor(shared_assets):
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    return qwen2_vl_processor(folder)
+
+
+@pytest.fixture
+def episode(processor):
+    """Row 0: an image prompt whose tool returns an image; row 1: a text prompt, text tool result."""
+    tokenizer = load_tokenizer(processor)
+    inner = ImageScripted()
+    agent = AgentSampler(inner, Toolbox.of([look]), parser="hermes", chat_template=TEMPLATE)
+    agent.bind(Handle(tokenizer))
+    user = [{"role": "user", "content": "What colour is the picture?"}]
+    image_prompt = encode_multimodal_prompt(user, [PROMPT_IMAGE], processor, 0, {"chat_template": TEMPLATE})
+    text_prompt = agent.render_prompt([{"role": "user", "content": "Say the colour."}], Toolbox.of([]))
+    rollouts = agent.generate([image_prompt, text_prompt], 1, GenerationParams(max_completion_length=200))
+    return agent, inner, tokenizer, image_prompt, rollouts
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_tool_images_are_rendered_by_the_processor_and_feed_the_next_turn(episode, processor):
+    _, inner, tokenizer, prompt, (row, text_row) = episode
+    first, last = _ids(tokenizer, call("look", kind="image")), _ids(tokenizer, ANSWER)
+    n_tool = len(row.completion_ids) - len(first) - len(last)
+    tool = row.completion_ids[len(first) : len(first) + n_tool]
+    assert row.completion_ids == first + tool + last  # generated ids + tool ids, exactly
+    assert row.tool_mask == [1] * len(first) + [0] * n_tool + [1] * len(last)
+    pad = processor.image_token_id
+    assert tool.count(pad) == 8 // 4  # 8 patches merged 2x2
+    # Independently: the processor's rendering of the whole conversation, both images.
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the picture?"}]},
+                {"role": "assistant", "content": call("look", kind="image")},
+                {"role": "tool", "name": "look", "content": [{"type": "image"}, {"type": "text", "text": "the scene"}]}]
+    text = processor.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=[[PROMPT_IMAGE, TOOL_IMAGE]], return_tensors="pt")
+    context = list(prompt) + first + tool
+    assert expected["input_ids"][0].tolist() == context
+    inputs = row.model_inputs
+    assert inputs.token_fields == ("mm_token_type_ids",)
+    torch.testing.assert_close(inputs.rows["pixel_values"][0], expected["pixel_values"], rtol=0, atol=0)
+    assert inputs.rows["image_grid_thw"][0].tolist() == [[1, 2, 4], [1, 4, 2]]  # prompt image, then tool image
+    assert inputs.rows["pixel_values"][0].shape[0] == int(inputs.rows["image_grid_thw"][0].prod(-1).sum())
+    types = torch.cat([inputs.rows["mm_token_type_ids"][0], inputs.completion_rows["mm_token_type_ids"][0]])
+    full = torch.tensor(list(prompt) + row.completion_ids)
+    assert types.tolist() == (full == pad).long().tolist()  # 1 exactly on the image tokens
+    # The second turn's generate call received the grown inputs with prompt + completion so far.
+    second = inner.prompts[1][0]
+    assert list(second) == context
+    torch.testing.assert_close(second.model_inputs["pixel_values"], expected["pixel_values"], rtol=0, atol=0)
+    assert second.model_inputs["mm_token_type_ids"].tolist() == expected["mm_token_type_ids"][0].tolist()
+    # Row 1 (text prompt, text tool result): text-rendered tool turn, empty image inputs.
+    assert processor.image_token_id not in text_row.completion_ids
+    assert text_row.model_inputs.rows["pixel_values"][0].shape == (0, 1176)
+    assert json.loads(json.dumps(text_row.extra["num_tool_calls"])) == 1
+
+
+def test_training_forward_on_the_final_sequence_sees_the_tool_image(episode, processor):
+    _, _, tokenizer, _, rollouts = episode
+    model = qwen2_vl_model(tokenizer).double().eval()
+    pad = tokenizer.pad_token_id
+    prompt_ids, prompt_mask = pad_sequences([r.prompt_ids for r in rollouts], value=pad, side="left")
+    completion_ids, completion_mask = pad_sequences([r.completion_ids for r in rollouts], value=pad, side="right")
+    batch_inputs = row_inputs_of(rollouts)
+    with torch.no_grad():
+        logps, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                       options=ForwardOptions.plain(), model_inputs=batch_inputs)
+        row = rollouts[0]
+        ids = torch.tensor([row.prompt_ids + row.completion_ids])
+        inputs = row.model_inputs
+        types = torch.cat([inputs.rows["mm_token_type_ids"][0], inputs.completion_rows["mm_token_type_ids"][0]])[None]
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs.rows["pixel_values"][0],
+                       image_grid_thw=inputs.rows["image_grid_thw"][0], mm_token_type_ids=types).logits[0].double()
+        expected = logits[len(row.prompt_ids) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(row.completion_ids)[:, None])[:, 0]
+        blind = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].double()  # no pixels at all
+    n = len(row.completion_ids)
+    torch.testing.assert_close(logps[0, :n].double(), expected, rtol=0, atol=4e-6)
+    tail = slice(n - len(_ids(tokenizer, ANSWER)), n)  # after the tool image: the answer tokens
+    blind_logps = blind[len(row.prompt_ids) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(row.completion_ids)[:, None])[:, 0]
+    assert (blind_logps[tail] - expected[tail]).abs().max() > 1e-3  # the pixels change the answer's log-probs
+
+
+def test_hf_generate_takes_the_grown_inputs(episode, processor):
+    """The real back-end generates the second turn from the recorded context with its pixels:
+    greedy's first token is the argmax of a plain model call on the full ids and pixels."""
+    from grpo_lightning.module.grpo_module import GRPOModule
+    from tests.helpers import built
+
+    _, inner, tokenizer, _, _ = episode
+    model = qwen2_vl_model(tokenizer).double().eval()
+    module = built(GRPOModule(model, tokenizer=processor, save_final_model=False))
+    sampler = HFGenerateSampler()
+    sampler.bind(module)
+    context = inner.prompts[1][0]
+    out = sampler.generate([context], 1, GenerationParams(max_completion_length=1, generation_kwargs={"do_sample": False}))
+    ids = torch.tensor([list(context)])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **{k: (v[None] if k == "mm_token_type_ids" else v)
+                       for k, v in context.model_inputs.items()}).logits[0, -1]
+    assert out[0].completion_ids[0] == int(logits.argmax())
+
+
+def test_text_only_policy_keeps_text_rendering_and_warns(processor, caplog):
+    tokenizer = processor.tokenizer.__class__.from_pretrained(processor.tokenizer.name_or_path)
+    inner = ScriptedSampler(script)
+    agent = AgentSampler(inner, Toolbox.of([look]), parser="hermes", chat_template=TEMPLATE)
+    agent.bind(Handle(tokenizer))
+    prompt = agent.render_prompt([{"role": "user", "content": "What colour is the picture?"}], Toolbox.of([look]))
+    with caplog.at_level(logging.WARNING):
+        (row,) = agent.generate([prompt], 1, GenerationParams(max_completion_length=200))
+    assert processor.image_token_id not in row.completion_ids and row.model_inputs is None
+    assert row.extra["tool_images"] == [TOOL_IMAGE]
+    assert "no multimodal processor" in caplog.text
+
+
+def test_a_sampler_without_images_is_refused(processor):
+    tokenizer = load_tokenizer(processor)
+    agent = AgentSampler(ScriptedSampler(script), Toolbox.of([look]), parser="hermes", chat_template=TEMPLATE)
+    agent.bind(Handle(tokenizer))
+    prompt = agent.render_prompt([{"role": "user", "content": "What colour is the picture?"}], Toolbox.of([look]))
+    with pytest.raises(Exception, match="does not take image inputs"):
+        agent.generate([prompt], 1, GenerationParams(max_completion_length=200))
