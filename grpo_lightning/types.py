@@ -166,6 +166,10 @@ class RolloutBatch:
         picked = {name: getattr(self, name)[rows] for name in _ROW_TENSORS if getattr(self, name) is not None}
         prompt_width = int(picked["prompt_mask"].sum(1).max()) if len(rows) else 0
         completion_width = max(int(picked["completion_mask"].sum(1).max()) if len(rows) else 0, 1)
+        if self.model_inputs is not None and self.model_inputs.completion_rows and len(rows):
+            # image tokens in a completion (agent tool turns) stay even in a row whose mask is zeroed
+            lengths = next(iter(self.model_inputs.select(rows.tolist()).completion_rows.values()))
+            completion_width = max(completion_width, *(int(v.shape[0]) for v in lengths))
         for name in ("prompt_ids", "prompt_mask"):
             picked[name] = picked[name][:, picked[name].shape[1] - prompt_width :]
         for name in _COMPLETION_WIDTH_TENSORS:

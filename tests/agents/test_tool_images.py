@@ -199,3 +199,23 @@ def test_a_sampler_without_images_is_refused(processor):
     prompt = agent.render_prompt([{"role": "user", "content": "What colour is the picture?"}], Toolbox.of([look]))
     with pytest.raises(Exception, match="does not take image inputs"):
         agent.generate([prompt], 1, GenerationParams(max_completion_length=200))
+
+
+def test_a_masked_row_keeps_its_tool_image_tokens_when_rows_are_selected(episode):
+    """A row whose completion mask is zeroed (a masked truncation) keeps its full completion in a
+    row selection (micro-batches, token-budget groups): its tool image tokens match its pixels."""
+    from grpo_lightning.types import RolloutBatch
+
+    _, _, tokenizer, _, rollouts = episode
+    pad = tokenizer.pad_token_id
+    prompt_ids, prompt_mask = pad_sequences([r.prompt_ids for r in rollouts], value=pad, side="left")
+    completion_ids, completion_mask = pad_sequences([r.completion_ids for r in rollouts], value=pad, side="right")
+    completion_mask[0] = 0
+    batch = RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(2), torch.tensor(0.0),
+                         torch.zeros(2, dtype=torch.long), model_inputs=row_inputs_of(rollouts))
+    picked = batch.select_rows(torch.tensor([0]))
+    assert picked.completion_ids[0].tolist() == rollouts[0].completion_ids
+    model = qwen2_vl_model(tokenizer).double().eval()
+    with torch.no_grad():  # image tokens and pixels agree (Qwen2-VL raises otherwise)
+        completion_logprobs(model, picked.prompt_ids, picked.prompt_mask, picked.completion_ids, picked.completion_mask,
+                            1.0, options=ForwardOptions.plain(), model_inputs=picked.model_inputs)
