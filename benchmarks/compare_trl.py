@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "for vLLM); fast_generate samples the live policy, its log-probs equal the trainer's up "
                              "to float32 rounding. default: the datamodule's default (on), one extra no-grad forward "
                              "per generation batch")
+    parser.add_argument("--attention-kernel", choices=("sdpa_mask", "flex", "varlen", "auto"), default="sdpa_mask",
+                        help="our model.forward.attention_kernel for the packed/prompt-shared forwards (docs/gpu.md)")
     parser.add_argument("--out-dir", default=str(HERE / "results"))
     parser.add_argument("--tag", default=None, help="output file stem (default: the device name)")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per child run")
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             "beta": args.beta, "loss_type": args.loss_type, "learning_rate": args.learning_rate, "max_grad_norm": 1.0,
             "seed": args.seed, "precision": "bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32",
             "sampler": args.sampler, "importance_sampling": args.importance_sampling,
+            "attention_kernel": args.attention_kernel,
         }
         runs: dict[str, list] = {impl: [] for impl in impls}
         errors = []

@@ -53,7 +53,9 @@ class ForwardOptions:
             attention with a block mask, compiled on CUDA; no CPU backward), ``varlen`` (torch's
             flash varlen kernel over the packed sequences, bf16/fp16 CUDA; a shared prompt takes
             ``flex``), ``auto`` (``varlen``/``flex`` on CUDA, ``sdpa_mask`` elsewhere). With
-            ``flex``/``varlen`` sequences go into one packed row. See docs/gpu.md.
+            ``flex``/``varlen`` sequences go into one packed row. The default stays
+            ``sdpa_mask`` until the CUDA kernels have passed ``scripts/gpu_check.sh`` (section
+            ``kernels``) on a GPU; ``auto`` opts in. See docs/gpu.md.
         train_token_budget: When set, each training micro-batch is scored in parts of at most
             this many tokens (sized as for ``logprob_token_budget``), one forward+backward per
             part, so the activation memory follows the budget instead of the micro-batch's row
@@ -68,7 +70,7 @@ class ForwardOptions:
     share_prompt_prefix: bool = True
     logprob_token_budget: int | None = None
     train_token_budget: int | None = None
-    attention_kernel: str = "auto"
+    attention_kernel: str = "sdpa_mask"
 
     def __post_init__(self) -> None:
         chunk = self.lm_head_chunk_tokens

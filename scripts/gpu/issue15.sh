@@ -49,12 +49,12 @@ case $PART in
     fi
     echo "== ours vs TRL, HF generate on both sides (the same completions)"
     $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours,trl --out-dir "$OUT_DIR" \
-      --tag "bench15_${TAG}_hf_generate" || echo "BENCH (hf_generate) FAILED"
+      --attention-kernel auto --tag "bench15_${TAG}_hf_generate" || echo "BENCH (hf_generate) FAILED"
     FAST=fast_generate
     if $PY -c "import vllm" 2> /dev/null; then FAST=vllm_colocate; fi
     echo "== ours with its fastest sampler here ($FAST); TRL's fastest without vLLM is the generate run above"
     $PY benchmarks/compare_trl.py $BENCH --sampler $FAST --impls ours --out-dir "$OUT_DIR" \
-      --tag "bench15_${TAG}_$FAST" || echo "BENCH ($FAST) FAILED"
+      --attention-kernel auto --tag "bench15_${TAG}_$FAST" || echo "BENCH ($FAST) FAILED"
     ;;
   learn)
     echo "== learning curve: two-digit addition, held-out accuracy (scripts/gpu/learn.py)"
