@@ -219,3 +219,61 @@ def test_a_masked_row_keeps_its_tool_image_tokens_when_rows_are_selected(episode
     with torch.no_grad():  # image tokens and pixels agree (Qwen2-VL raises otherwise)
         completion_logprobs(model, picked.prompt_ids, picked.prompt_mask, picked.completion_ids, picked.completion_mask,
                             1.0, options=ForwardOptions.plain(), model_inputs=picked.model_inputs)
+
+
+def alternating(context: str, k: int) -> str:
+    """Even rows of a call look at a picture, odd rows get a description; then they answer."""
+    if "<|im_start|>tool" in context:
+        return ANSWER
+    return call("look", kind="image" if k % 2 == 0 else "text")
+
+
+def saw_image(completions, tool_images, **kwargs):
+    """1 for a rollout whose tool returned an image: non-zero advantages within each group."""
+    return [float(len(images)) for images in tool_images]
+
+
+@pytest.mark.slow
+def test_two_trainer_steps_with_a_tool_returning_images(tmp_path, processor):
+    import lightning.pytorch as pl
+
+    from grpo_lightning.agents import AgentSettings
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What colour is it? {i}"}]}) + "\n"
+                            for i in range(4)))
+    seen = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch)
+
+    model = qwen2_vl_model(processor.tokenizer)
+    module = GRPOModule(model, tokenizer=processor, learning_rate=1e-2, lr_scheduler_type="constant",
+                        gradient_checkpointing=False, save_final_model=False)
+    sampler = ImageScripted()
+    sampler.script = alternating
+    datamodule = RolloutDataModule(
+        str(path), reward_funcs=[saw_image], num_generations=2, per_device_train_batch_size=4, sampler=sampler,
+        generation=GenerationParams(max_completion_length=96),
+        agent=AgentSettings(tools=[look], parser="hermes", chat_template=TEMPLATE),
+    )
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[Record()])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.fit(module, datamodule)
+    assert trainer.global_step == 2 and seen
+    for batch in seen:
+        rows = batch.model_inputs.rows
+        tool_images = batch.completion_ids == processor.image_token_id  # (B, T)
+        # Half the rows (each group: the even generation) saw the tool image, the others none (empty inputs).
+        assert sorted(g.shape[0] for g in rows["image_grid_thw"]) == [0, 0, 1, 1]
+        for i, (grid, pixels) in enumerate(zip(rows["image_grid_thw"], rows["pixel_values"])):
+            assert pixels.shape[0] == int(grid.prod(-1).sum())
+            assert int(tool_images[i].sum()) == int(grid.prod(-1).sum()) // 4  # tokens = patches / (2x2 merge)
+        assert not (batch.loss_mask.bool() & tool_images).any()
+    changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+    assert any("visual" in n for n in changed), "the vision tower got no update: the tool image did not reach the loss"
