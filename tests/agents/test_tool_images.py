@@ -131,7 +131,8 @@ def test_tool_images_are_rendered_by_the_processor_and_feed_the_next_turn(episod
     # Row 1 (text prompt, text tool result): text-rendered tool turn, empty image inputs.
     assert processor.image_token_id not in text_row.completion_ids
     assert text_row.model_inputs.rows["pixel_values"][0].shape == (0, 1176)
-    assert json.loads(json.dumps(text_row.extra["num_tool_calls"])) == 1
+    assert text_row.extra["num_tool_calls"] == 1 and text_row.extra["tool_images"] == []
+    assert row.extra["tool_images"] == [TOOL_IMAGE] and row.images == [PROMPT_IMAGE, TOOL_IMAGE]
 
 
 def test_training_forward_on_the_final_sequence_sees_the_tool_image(episode, processor):
