@@ -23,7 +23,7 @@ import torch
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
-    distributed_rank_and_world, import_vllm, policy_weights, sampling_params,
+    distributed_rank_and_world, engine_prompt, image_token_id, import_vllm, policy_weights, sampling_params,
 )
 from grpo_lightning.samplers.weight_probe import (
     WeightProbe, WeightSyncError, checksums, coarser_dtype, first_differing_parameter, run_with_deadline,
@@ -82,6 +82,8 @@ class VLLMColocateSampler(Sampler):
     name = "vllm_colocate"
     provides_logprobs = True
     keeps_own_weights = True
+    #: Image prompts go to the engine with their raw images (``multi_modal_data``), see docs/vlm.md.
+    supports_images = True
 
     def __init__(
         self,
@@ -155,8 +157,6 @@ class VLLMColocateSampler(Sampler):
         self._sync(handle, version, wake=False)
 
     def generate(self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams) -> list[Rollout]:
-        from vllm.inputs import TokensPrompt
-
         handle = self.handle
         if self.llm is None:
             raise RuntimeError("VLLMColocateSampler has no engine: weights are pushed (and the engine started) by "
@@ -165,12 +165,14 @@ class VLLMColocateSampler(Sampler):
         if self._asleep:
             with handle.generation_context():
                 self._sync(handle, version, wake=True)
-        rows = [list(p) for p in prompts]
-        group_rows, mine = self._gather_group(rows)
+        rows = [(list(p), getattr(p, "images", None)) for p in prompts]  # (ids, raw images of an image prompt)
+        group, mine = self._gather_group(rows)
+        group_rows = [ids for ids, _ in group]
         sampling = sampling_params(params, handle.eos_token_ids, self.structured_outputs_regex, logprobs=0,
                                    n=num_generations)
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in group_rows], sampling,
+            image_token = image_token_id(handle) if any(images for _, images in group) else None
+            outputs = self.llm.generate([engine_prompt(ids, images, image_token) for ids, images in group], sampling,
                                         use_tqdm=False)
         finally:
             if self.enable_sleep_mode:
@@ -180,8 +182,9 @@ class VLLMColocateSampler(Sampler):
         rollouts: list[Rollout] = []
         for index in mine:
             output, prompt = outputs[index], group_rows[index]
-            if list(output.prompt_token_ids) != prompt:
-                raise RuntimeError(f"vLLM returned the output of another prompt for request {index}.")
+            if list(output.prompt_token_ids) != prompt:  # also: image placeholders expanded differently
+                raise RuntimeError(f"vLLM returned the output of another prompt (or re-expanded its image tokens) "
+                                   f"for request {index}.")
             if len(output.outputs) != num_generations:
                 raise RuntimeError(f"vLLM returned {len(output.outputs)} completions for a request of {num_generations}.")
             for completion in output.outputs:
@@ -257,11 +260,14 @@ class VLLMColocateSampler(Sampler):
         self._tmpdir = self._tmpdir or tempfile.mkdtemp(prefix="grpo-vllm-")
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         base.save_pretrained(self._tmpdir)
-        handle.tokenizer.save_pretrained(self._tmpdir)
+        processor = getattr(handle.tokenizer, "processor", None)  # a VLM: vLLM needs its processor too
+        (processor or handle.tokenizer).save_pretrained(self._tmpdir)
         return self._tmpdir
 
     def _tokenizer_path(self, handle: PolicyHandle) -> str | None:
         path = getattr(handle.tokenizer, "name_or_path", "") or ""
+        if self._tmpdir is not None and getattr(handle.tokenizer, "processor", None) is not None:
+            return self._tmpdir  # the processor was saved beside the model
         if path and os.path.isdir(path):
             return path
         return self._tmpdir  # saved beside a temporary model, else None: the model's own
@@ -291,6 +297,9 @@ class VLLMColocateSampler(Sampler):
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()
+        reset_encoder = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset_encoder is not None:  # image embeddings of the old weights must not be reused
+            reset_encoder()
         if self.verify_weights:
             probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
             probe.verify(handle, self._engine_logprobs, version=version,
@@ -327,7 +336,7 @@ class VLLMColocateSampler(Sampler):
             return first_differing_parameter(weights, engine, dtype)
 
     # ------------------------------------------------------------------ tensor parallel
-    def _gather_group(self, rows: list[list[int]]) -> tuple[list[list[int]], range]:
+    def _gather_group(self, rows: list[Any]) -> tuple[list[Any], range]:
         """All prompts of this rank's TP group (every rank of a group must send the engine the
         same requests), and which of them are this rank's."""
         if self._tp_group is None:

@@ -189,6 +189,34 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return callable(getattr(model, "merge_adapter", None)) and callable(getattr(model, "unmerge_adapter", None))
 
 
+def engine_prompt(ids: list[int], images: list[Any] | None, image_token_id: int | None = None) -> dict[str, Any]:
+    """One vLLM request prompt: ``{"prompt_token_ids": ids}``, plus ``multi_modal_data`` with the
+    row's raw images for an image prompt. vLLM runs its own processor on the images and expands
+    each image's placeholder itself: given ids that are already expanded (as the trainer's
+    processor made them) it would expand again, so every run of ``image_token_id`` is collapsed to
+    one token here (vLLM's expansion then gives back ``ids``; the sampler checks it).
+
+    >>> engine_prompt([1, 9, 9, 9, 2], ["img"], image_token_id=9)
+    {'prompt_token_ids': [1, 9, 2], 'multi_modal_data': {'image': ['img']}}
+    """
+    if not images:
+        return {"prompt_token_ids": ids}
+    if image_token_id is None:
+        raise ValueError("an image prompt for vLLM needs the model's image token id (processor.image_token_id or "
+                         "config.image_token_id); this processor has neither.")
+    collapsed = [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images)}}
+
+
+def image_token_id(handle: PolicyHandle) -> int | None:
+    """The policy's image placeholder token id (its processor's, else its config's), or ``None``."""
+    processor = getattr(handle.tokenizer, "processor", None)
+    found = getattr(processor, "image_token_id", None)
+    if found is None:
+        found = getattr(getattr(handle.policy, "config", None), "image_token_id", None)
+    return found
+
+
 @contextmanager
 def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
     """``with policy_weights(handle) as weights:`` an iterator of ``(checkpoint name, whole tensor)``
@@ -218,6 +246,6 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
 
 
 __all__ = [
-    "checkpoint_name", "distributed_rank_and_world", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes",
+    "checkpoint_name", "distributed_rank_and_world", "engine_prompt", "image_token_id", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes",
     "policy_weights", "sampling_fields", "sampling_params",
 ]
