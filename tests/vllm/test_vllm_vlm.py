@@ -226,3 +226,16 @@ def test_images_seen_before_a_push_are_encoded_again_after_it(training, sampler,
     assert all(r.policy_version == 2 for r in rollouts)
     engine, policy = _engine_and_policy_prompt_logprobs(sampler, module, prompts[0])  # encoded with these weights
     assert (engine - policy).abs().max() < 1e-4
+
+
+def test_the_server_sampler_refuses_image_prompts_naming_the_fix(processor):
+    """The server sampler does not take images yet: the first image batch is refused (before any
+    request), naming data.sampler's samplers that do."""
+    from grpo_lightning.data.multimodal import check_sampler_images, encode_multimodal_prompt
+    from grpo_lightning.samplers.vllm_server import VLLMServerSampler
+    from tests.vlm.tiny_vlm import color_image
+
+    prompt = encode_multimodal_prompt([{"role": "user", "content": "Describe"}], [color_image(0)], processor, 0)
+    with pytest.raises(ValueError, match=r"sampler VLLMServerSampler does not take image inputs; use data.sampler: "
+                                         r"hf_generate or vllm_colocate"):
+        check_sampler_images(VLLMServerSampler(), [prompt])
