@@ -18,7 +18,7 @@ Three interchangeable paths give the same log-probs and gradients on every real 
   (:mod:`grpo_lightning.algo.shared_prefix`).
 
 The optimized paths need a model whose logits are ``head(base(...).last_hidden_state)`` (up to a
-constant scale and Gemma's final soft-capping): the architectures in :data:`HEAD_MODEL_TYPES`.
+constant scale and Gemma's final soft-capping): the architectures in :data:`~grpo_lightning.module.model_parts.HEAD_MODEL_TYPES`.
 Anything else, or a layout they cannot reproduce, falls back to the plain path with a log line.
 A PEFT model (LoRA, DoRA: adapters injected into the layers of the wrapped transformers model)
 takes the optimized paths through that model's decoder and LM head, which carry the adapters (and
@@ -32,11 +32,9 @@ tokens instead of rows, longest rows first, each trimmed of padding; results ret
 
 from __future__ import annotations
 
-import inspect
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,6 +45,9 @@ from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layou
 from grpo_lightning.module.attention_kernels import SHARED_ROW_TOKENS, kernel_inputs, requested_kernel, resolve_kernel
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.fp32_head import is_fp32_head
+from grpo_lightning.module.model_parts import (
+    ModelParts, accepts_logits_to_keep, decoder_cost, log_once, model_parts, transformers_model,
+)
 from grpo_lightning.module.multimodal_forward import multimodal_logprobs
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
@@ -60,16 +61,6 @@ from grpo_lightning.algo.packing import (
 
 log = logging.getLogger(__name__)
 
-# ``config.model_type`` values whose ``*ForCausalLM.forward`` computes
-# ``lm_head(base_model(...).last_hidden_state)`` followed at most by a constant scale (Cohere's
-# ``logit_scale``, Granite's ``logits_scaling``) or ``final_logit_softcapping`` (Gemma 2/3), and
-# whose base model builds its attention mask from ``position_ids`` (packed sequences); checked
-# against transformers 5.24. Extend it for another architecture once that holds.
-HEAD_MODEL_TYPES: set[str] = {
-    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "ministral", "mixtral",
-    "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo2", "smollm3", "starcoder2",
-    "granite", "cohere", "gpt2", "gpt_neox",
-}  # fmt: skip
 # Attention implementations that isolate packed sequences with a materialised mask: the packed
 # sequences are spread over rows of bounded length to bound the quadratic attention cost.
 _MASKED_ATTENTION = ("sdpa", "eager")
@@ -77,112 +68,7 @@ _MASKED_ATTENTION = ("sdpa", "eager")
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-@lru_cache(maxsize=None)
-def _accepts_logits_to_keep(forward_cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(forward_cls.forward).parameters
-
-
-_logged: set[str] = set()
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    return type(model).__module__.split(".")[0] == "peft"
-
-
-def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside DDP's ``.module`` and a PEFT wrapper (adapters in its layers)."""
-    core = getattr(model, "module", model)
-    if _is_peft(core) and callable(getattr(core, "get_base_model", None)):
-        return core.get_base_model()
-    return core
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
-
-
-@dataclass(frozen=True)
-class _ModelParts:
-    """What the optimized paths call: the decoder (or ``None``: hidden states from the wrapped
-    model's ``output_hidden_states``), the LM head and the post-head logit transforms."""
-
-    base: torch.nn.Module | None
-    head: torch.nn.Module
-    logit_scale: float | None
-    softcap: float | None
-    attn_implementation: str
-    sliding_window: int | None = None
-    # FLOPs of one (query, key) pair of masked attention over those of one token through the
-    # decoder's linear layers: how much a wider packed row costs (see _layout_cost).
-    attention_pair_cost: float = 0.0
-
-
-def _model_parts(model: torch.nn.Module) -> _ModelParts | str:
-    """The decoder and head of ``model``, or why the optimized paths cannot use it."""
-    core = getattr(model, "module", model)  # DDP-wrapped models expose the real class as .module
-    wrapped = core is not model
-    if _is_peft(core):
-        peft_config = getattr(core, "active_peft_config", None)
-        if peft_config is None or getattr(peft_config, "is_prompt_learning", True):
-            return f"{type(core).__name__} is a prompt-learning PEFT model (it changes the inputs)"
-        core = _transformers_model(core)  # its layers and head carry the adapters
-    name = type(core).__name__
-    config = getattr(core, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in HEAD_MODEL_TYPES:
-        return (
-            f"model type {model_type!r} ({name}) is not in grpo_lightning.module.forward.HEAD_MODEL_TYPES "
-            "(architectures whose logits are lm_head(base_model(...).last_hidden_state))"
-        )
-    get_head = getattr(core, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    base = getattr(core, "base_model", None)
-    if not isinstance(head, torch.nn.Module) or not isinstance(base, torch.nn.Module) or base is core:
-        return f"{name} exposes no separate base model and LM head"
-    if wrapped:
-        if not _accepts_logits_to_keep(type(core)):
-            return f"wrapped {name} has no logits_to_keep to skip its own head"
-        base = None  # calling the inner decoder would bypass the wrapper (DDP hooks)
-    logit_scale = None
-    if getattr(config, "logit_scale", None) is not None and model_type == "cohere":
-        logit_scale = float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) is not None and model_type == "granite":
-        logit_scale = 1.0 / float(config.logits_scaling)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    return _ModelParts(
-        base=base,
-        head=head,
-        logit_scale=logit_scale,
-        softcap=float(softcap) if softcap else None,
-        attn_implementation=str(getattr(config, "_attn_implementation", None)),
-        sliding_window=int(window) if window else None,
-        attention_pair_cost=_attention_pair_cost(config),
-    )
-
-
-def _attention_pair_cost(config: Any) -> float:
-    """Per layer: a (query, key) pair costs ``4·heads·head_dim`` FLOPs (scores and values), a token
-    ``2·(q + k + v + o + MLP)`` weights' worth. MoE configs count their per-token experts' MLPs."""
-    hidden = int(config.hidden_size)
-    heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    mlp = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 4 * hidden
-    experts = int(getattr(config, "num_experts_per_tok", None) or 1)
-    linear = 2 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * int(mlp) * experts)
-    return 4 * heads * head_dim / linear
-
-
-def _decoder_cost(rows: int, width: int, parts: _ModelParts) -> float:
-    """Decoder FLOPs of ``rows`` packed rows of ``width``, in tokens: every slot through the linear
-    layers, plus each row's dense ``W²`` attention (mask-based kernels compute every pair)."""
-    return rows * width * (1.0 + width * parts.attention_pair_cost)
-
-
-def _hidden_states(model: torch.nn.Module, parts: _ModelParts, layout: TokenLayout, kernel: str = "sdpa_mask") -> torch.Tensor:
+def _hidden_states(model: torch.nn.Module, parts: ModelParts, layout: TokenLayout, kernel: str = "sdpa_mask") -> torch.Tensor:
     """Final (post-norm) hidden states of ``layout``, ``(R, W, H)``, attention by ``kernel``."""
     attention_mask, extra = kernel_inputs(layout, kernel)  # module/attention_kernels.py
     kwargs: dict[str, Any] = dict(
@@ -214,7 +100,7 @@ def _plain_logprobs(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     width = completion_ids.shape[1]
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if _accepts_logits_to_keep(type(_transformers_model(model))):  # a PEFT wrapper passes it on
+    if accepts_logits_to_keep(type(transformers_model(model))):  # a PEFT wrapper passes it on
         kwargs["logits_to_keep"] = width + 1  # run the LM head on completion positions only
     logits = model(**kwargs).logits
     logits = logits[:, -(width + 1) : -1, :]  # (B, T, V): position t predicts completion token t
@@ -227,7 +113,7 @@ def _plain_logprobs(
     )
 
 
-def _packed_row_tokens(parts: _ModelParts, options: ForwardOptions) -> tuple[bool, int | None]:
+def _packed_row_tokens(parts: ModelParts, options: ForwardOptions) -> tuple[bool, int | None]:
     """``(supported, row_tokens)`` of the packed layout for this attention implementation."""
     impl = parts.attn_implementation
     if impl in _MASKED_ATTENTION:
@@ -249,15 +135,15 @@ def _optimized_logprobs(
     options: ForwardOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
-    parts = _model_parts(model)
+    parts = model_parts(model)
     if isinstance(parts, str):
-        _log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
+        log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
     layout, kernel = None, "sdpa_mask"
     if options.padding_free:
         supported, row_tokens = _packed_row_tokens(parts, options)
         if not supported:
-            _log_once(
+            log_once(
                 f"Padding-free forward off: attention implementation {parts.attn_implementation!r} cannot "
                 "isolate packed sequences; using the padded batch."
             )
@@ -269,17 +155,17 @@ def _optimized_logprobs(
             if options.share_prompt_prefix and impl in _MASKED_ATTENTION and layout is not None:
                 # A shared row is wider (prompt + all its completions): its dense attention can
                 # outweigh the prompt tokens saved (long completions, small models).
-                unshared_cost = _decoder_cost(*layout.input_ids.shape, parts)
+                unshared_cost = decoder_cost(*layout.input_ids.shape, parts)
                 shared = shared_prefix_layout(
                     *batch, row_tokens=SHARED_ROW_TOKENS if fast else row_tokens, max_row_tokens=parts.sliding_window,
                     additive_mask=impl == "eager",
-                    accept=None if fast else lambda rows, width: _decoder_cost(rows, width, parts) < unshared_cost,
+                    accept=None if fast else lambda rows, width: decoder_cost(rows, width, parts) < unshared_cost,
                 )  # None: no prompt repeats, or not cheaper
                 layout = shared or layout
             if fast and layout is not None:
                 kernel = resolve_kernel(wanted, prompt_ids.device, shared=layout.attention_mask is not None)
             if layout is None:
-                _log_once(
+                log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "
                     "position (empty prompt or gaps in the masks); using the padded batch."
                 )
@@ -294,7 +180,7 @@ def _optimized_logprobs(
 
 
 def head_logprobs(
-    parts: _ModelParts,
+    parts: ModelParts,
     hidden: torch.Tensor,
     layout: TokenLayout,
     shape: tuple[int, ...],

@@ -24,7 +24,7 @@ import torch
 
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
 from grpo_lightning.algo.packing import padded_layout
-from grpo_lightning.module.forward import _accepts_logits_to_keep, _log_once, _model_parts, _transformers_model
+from grpo_lightning.module.model_parts import accepts_logits_to_keep, log_once, model_parts, transformers_model
 from grpo_lightning.module.forward import head_logprobs
 from grpo_lightning.module.forward_options import ForwardOptions
 
@@ -80,10 +80,10 @@ def completion_logprobs_and_router_aux(
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, Tp+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    parts = _model_parts(model) if (options.chunked_lm_head or options.padding_free) else None
-    accepts_keep = _accepts_logits_to_keep(type(_transformers_model(model)))
+    parts = model_parts(model) if (options.chunked_lm_head or options.padding_free) else None
+    accepts_keep = accepts_logits_to_keep(type(transformers_model(model)))
     if options.padding_free:
-        _log_once("Padding-free forward off for the training pass with router_aux_loss_coef: the model's "
+        log_once("Padding-free forward off for the training pass with router_aux_loss_coef: the model's "
                   "load-balancing loss averages over the padded batch's tokens; using the padded batch.")
     if parts is not None and not isinstance(parts, str) and accepts_keep and completion_mask.any():
         layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -94,7 +94,7 @@ def completion_logprobs_and_router_aux(
                                          True, entropy_requires_grad, options)
         return logps, entropies, _aux_loss(out, model)
     if isinstance(parts, str):
-        _log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
+        log_once(f"Optimized log-prob forward off: {parts}; using the plain forward.")
     width = completion_ids.shape[1]
     kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False, output_router_logits=True)
@@ -112,7 +112,7 @@ def _aux_loss(out: Any, model: torch.nn.Module) -> torch.Tensor:
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         raise RuntimeError(
-            f"{type(_transformers_model(model)).__name__} returned no aux_loss with output_router_logits=True: "
+            f"{type(transformers_model(model)).__name__} returned no aux_loss with output_router_logits=True: "
             "set model.router_aux_loss_coef=0 to train it without the router loss."
         )
     return aux.float()

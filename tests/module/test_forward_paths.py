@@ -17,6 +17,7 @@ import torch
 
 from grpo_lightning.losses import LossInputs, get_loss
 from grpo_lightning.module import forward as forward_module
+from grpo_lightning.module import model_parts as model_parts_module
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
 from tests.numerics import assert_close_f32
@@ -313,13 +314,13 @@ def test_logit_scaling_model_matches_plain(no_plain_fallback):
 
 def test_unknown_architecture_falls_back_to_plain_with_a_log(monkeypatch, caplog):
     model = tiny("llama")
-    monkeypatch.setattr(forward_module, "HEAD_MODEL_TYPES", set())
-    monkeypatch.setattr(forward_module, "_logged", set())
+    monkeypatch.setattr(model_parts_module, "HEAD_MODEL_TYPES", set())
+    monkeypatch.setattr(model_parts_module, "_logged", set())
     batch = make_batch()
     want, plain = reference(model, batch), run(model, batch)
     with caplog.at_level(logging.INFO, logger="grpo_lightning.module.forward"):
         got = run(model, batch, ForwardOptions())
-    assert "not in grpo_lightning.module.forward.HEAD_MODEL_TYPES" in caplog.text
+    assert "not in grpo_lightning.module.model_parts.HEAD_MODEL_TYPES" in caplog.text
     assert_same(got, want, batch[3])
     # the plain path itself, padding positions (zeros) too
     assert_close_f32(got[0], plain[0], reduction_size=want.values_size, scale=want.logit_scale)
@@ -329,7 +330,7 @@ def test_unsupported_attention_keeps_chunked_head_on_padded_batch(monkeypatch, c
     model = tiny("llama")
     batch = make_batch()
     want = reference(model, batch)
-    monkeypatch.setattr(forward_module, "_logged", set())
+    monkeypatch.setattr(model_parts_module, "_logged", set())
     monkeypatch.setattr(forward_module, "_MASKED_ATTENTION", ())
     layouts = []
     monkeypatch.setattr(forward_module, "padded_layout", lambda *a: layouts.append(1) or _PADDED(*a))
@@ -343,7 +344,7 @@ def test_completion_after_empty_prompt_uses_the_padded_batch(monkeypatch, caplog
     model = tiny("qwen2")
     batch = make_batch((0, 3, 2), (3, 2, 4))
     want = reference(model, batch)
-    monkeypatch.setattr(forward_module, "_logged", set())
+    monkeypatch.setattr(model_parts_module, "_logged", set())
     with caplog.at_level(logging.INFO, logger="grpo_lightning.module.forward"):
         got = run(model, batch, ForwardOptions())
     assert "Padding-free forward skipped" in caplog.text

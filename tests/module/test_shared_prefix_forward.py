@@ -9,6 +9,7 @@ import torch
 
 from grpo_lightning.module import forward as forward_module
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
+from grpo_lightning.module.model_parts import decoder_cost, model_parts
 from tests.algo.test_shared_prefix import grouped_batch
 from tests.module.test_forward_paths import (
     TEMPERATURE,
@@ -228,10 +229,10 @@ def test_sharing_is_used_only_where_it_is_cheaper(monkeypatch, shared_layouts, g
     shared layout is then not even built)."""
     model = tiny("llama", attn="sdpa")
     batch = make_grouped(groups)
-    parts = forward_module._model_parts(model)
+    parts = model_parts(model)
     shared = forward_module.shared_prefix_layout(*batch[:4], row_tokens=1)
     unshared = forward_module.packed_layout(*batch[:4], row_tokens=1)
-    cost = lambda layout: forward_module._decoder_cost(*layout.input_ids.shape, parts)  # noqa: E731
+    cost = lambda layout: decoder_cost(*layout.input_ids.shape, parts)  # noqa: E731
     assert (cost(shared) < cost(unshared)) == shared_wins
 
     layout = _layout_used(monkeypatch, model, batch)
