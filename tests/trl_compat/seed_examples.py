@@ -74,7 +74,9 @@ EXAMPLES: dict[int, Example] = {
                 (("    ...\n", "    return [float(len(c[-1]['content'])) for c in completions]\n"),)),
     25: Example("several environments", "run", (('["coding", "game"] * 500', '["coding", "game"] * 4'),),
                 "a routing dataset with only the environment column: each reset() makes the prompt"),
-    26: Example("multimodal tool result", "pending:#13", why="vision-language models arrive with issue #13"),
+    26: Example("multimodal tool result", "run", (('Image.open("screenshot.png")', "Image.open(SCREENSHOT)"),),
+                "the tool is defined and called through our tools layer; its image reaching a VLM's next turn is "
+                "tests/agents/test_tool_images.py"),
     27: Example("GRPOTrainer signature", "signature"),
     28: Example("GRPOTrainer docstring example", "same_as:0"),
     29: Example("train() signature", "signature"),

@@ -212,6 +212,22 @@ def test_several_environments(tiny_model, short_runs):
     assert "rewards/reward_func/mean" in logged(ns["trainer"])
 
 
+def test_multimodal_tool_result(tmp_path):
+    """The seed's ``take_screenshot`` as given: its schema is read from its docstring, and a call
+    returns its content blocks (the image object itself, then the text) as the tool message."""
+    from PIL import Image
+
+    from grpo_lightning.tools import ToolCall, Toolbox, execute_calls
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "screenshot.png")
+    take_screenshot = run_example(26, SCREENSHOT=str(tmp_path / "screenshot.png"))["take_screenshot"]
+    tools = Toolbox.of([take_screenshot])
+    assert tools.schemas[0]["function"]["name"] == "take_screenshot"
+    ((result,),) = execute_calls([[ToolCall("take_screenshot", {})]], [tools])
+    assert not result.failed and [block["type"] for block in result.content] == ["image", "text"]
+    assert result.content[0]["image"].size == (8, 8) and result.content[1]["text"] == "Here is the screenshot."
+
+
 # ---------------------------------------------------------------------------- config-level examples
 @pytest.mark.parametrize("index, key, expected", [
     (1, ("data", "sampler", "class_path"), "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler"),
