@@ -155,14 +155,21 @@ def test_chunked_head_path_computes_in_float32_like_the_plain_path():
     model = cast_lm_head_to_fp32(perturbed(build_tiny_causal_lm(VOCAB)))
     prompt_ids, prompt_mask, completion_ids, completion_mask, _ = make_batch()
     args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)
+    head_dtypes = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: head_dtypes.append(output.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain, _ = completion_logprobs(*args, options=ForwardOptions.plain())
         chunked, _ = completion_logprobs(*args, options=CHUNKED)
         packed, _ = completion_logprobs(*args, options=ForwardOptions(chunked_lm_head=False, padding_free=True))
+    hook.remove()
     mask = completion_mask.bool()
     # the same bf16 hidden states through the same fp32 head: equal to float32 rounding
     torch.testing.assert_close(chunked[mask], plain[mask], rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(packed[mask], plain[mask], rtol=1e-5, atol=2e-5)
+    # Packed rows run the bf16 decoder on other shapes, whose kernels round differently (which
+    # ones depends on the CPU: AVX2 and AVX-512 differ), so only the head's own precision is
+    # exact there: it computed in float32 on the packed path too; the log-probs agree to bf16.
+    assert head_dtypes == [torch.float32, torch.float32]  # the plain and the packed pass (chunked reads the weight)
+    torch.testing.assert_close(packed[mask], plain[mask], rtol=0.0, atol=8 * 2.0**-8 * float(plain[mask].abs().max()))
     fp32_gap = float((chunked[mask] - plain[mask]).abs().max())
     model.lm_head.__class__ = torch.nn.Linear  # a bf16 head matmul: bf16 rounding (2^-8 relative) shows
     with torch.autocast("cpu", dtype=torch.bfloat16):
