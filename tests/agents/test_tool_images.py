@@ -21,7 +21,7 @@ from grpo_lightning.samplers.hf_generate import HFGenerateSampler
 from grpo_lightning.tools import Toolbox
 from grpo_lightning.types import GenerationParams
 from tests.agents.scripted import Handle, ScriptedSampler, call
-from tests.vlm.tiny_vlm import color_image, qwen2_vl_model, qwen2_vl_processor
+from tests.vlm.tiny_vlm import color_image, qwen2_vl_model, qwen_asset_processor
 
 # A Qwen-style template with tool calls and image parts in any message (as Qwen3-VL's renders them).
 TEMPLATE = (
@@ -74,10 +74,7 @@ class ImageScripted(ScriptedSampler):
 
 @pytest.fixture(scope="module")
 def processor(shared_assets):
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    return qwen2_vl_processor(folder)
+    return qwen_asset_processor(shared_assets)
 
 
 @pytest.fixture

@@ -71,12 +71,9 @@ def patched():
 
 @pytest.fixture(scope="module")
 def processor(shared_assets):
-    from tests.vlm.tiny_vlm import qwen2_vl_processor
+    from tests.vlm.tiny_vlm import qwen_asset_processor
 
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    return qwen2_vl_processor(folder)
+    return qwen_asset_processor(shared_assets)
 
 
 def tiny_qwen2_vl(tokenizer):

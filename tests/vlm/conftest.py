@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm.tiny_vlm import qwen2_vl_model, qwen2_vl_processor
+from tests.vlm.tiny_vlm import qwen2_vl_model, qwen_asset_processor
 
 
 @pytest.fixture(scope="session")
 def qwen_processor(shared_assets):
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    return qwen2_vl_processor(folder)
+    return qwen_asset_processor(shared_assets)
 
 
 @pytest.fixture

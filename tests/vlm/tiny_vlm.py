@@ -51,10 +51,18 @@ def _image_only(processor_cls):
     return ImageOnly
 
 
-def qwen2_vl_model(tokenizer, seed: int = 0):
-    """A 2-layer Qwen2-VL with a 1-layer vision tower, token ids taken from ``tokenizer``."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def qwen_asset_processor(shared_assets):
+    """The tiny Qwen2-VL processor over the Qwen2.5 tokenizer asset (skips when it is absent)."""
+    import pytest
 
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    return qwen2_vl_processor(folder)
+
+
+def _qwen_vl(config_cls, model_cls, tokenizer, vision: dict, seed: int):
+    """A 2-layer Qwen-VL text model with ``vision``, its special ids taken from ``tokenizer``."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -62,17 +70,24 @@ def qwen2_vl_model(tokenizer, seed: int = 0):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(
+    config = config_cls(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_cls(config)
     model.generation_config.eos_token_id = text["eos_token_id"]
     return model.float()
+
+
+def qwen2_vl_model(tokenizer, seed: int = 0):
+    """A 2-layer Qwen2-VL with a 1-layer vision tower, token ids taken from ``tokenizer``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return _qwen_vl(Qwen2VLConfig, Qwen2VLForConditionalGeneration, tokenizer, vision, seed)
 
 
 def color_image(seed: int, size: tuple[int, int] = (40, 36)):
@@ -138,21 +153,6 @@ def qwen2_5_vl_model(tokenizer, seed: int = 0):
     """A 2-layer Qwen2.5-VL with a 2-block windowed vision tower (block 1 full attention)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
-    )
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-    config = Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = text["eos_token_id"]
-    return model.float()
+    return _qwen_vl(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, tokenizer, vision, seed)
