@@ -41,6 +41,7 @@ sys.path.insert(1, str(HERE.parent))
 import torch  # noqa: E402
 
 import bench_assets  # noqa: E402
+from rss_watch import RssWatch, describe  # noqa: E402
 
 PHASES = ("generation", "reward", "logprob", "forward", "backward", "optimizer")
 
@@ -68,6 +69,12 @@ class Recorder:
         self.last_boundary = None
         self.rss_train_start = None
         self.peak_rss_train_start = None
+        # Names the code on the way to the host-memory peak (issue 15: 9.8 GB vs TRL's 2.9 GB).
+        self.watch = RssWatch().start()
+
+    def enter(self, phase: str) -> None:
+        """The phase the memory watcher files its samples under (``other`` between phases)."""
+        self.watch.phase = phase
 
     def now(self) -> float:
         if self.cuda:
@@ -77,16 +84,19 @@ class Recorder:
     @contextmanager
     def phase(self, name: str):
         start = self.now()
+        self.enter(name)
         try:
             yield
         finally:
             self.current[name] += self.now() - start
             self.note_rss(name)
+            self.enter("other")
 
     def add(self, name: str, value: float) -> None:
         self.current[name] += value
         if name in PHASES:
             self.note_rss(name)
+            self.enter("other")
 
     def note_rss(self, phase: str) -> None:
         """Resident memory right after a phase (max over the step): shows which phase grows it."""
@@ -99,6 +109,7 @@ class Recorder:
     def train_start(self) -> None:
         self.rss_train_start = rss_mb()
         self.peak_rss_train_start = peak_rss_mb()  # includes the model load
+        self.enter("other")
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.last_boundary = self.now()
@@ -162,12 +173,14 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
 
         def on_before_backward(self, trainer, pl_module, loss):
             self._bwd = rec.now()
+            rec.enter("backward")
 
         def on_after_backward(self, trainer, pl_module):
             rec.add("backward", rec.now() - self._bwd)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self._opt = rec.now()
+            rec.enter("optimizer")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             rec.add("optimizer", rec.now() - self._opt)
@@ -304,8 +317,10 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
         def training_step(self, *args, **kwargs):
             state["prepare"], state["compute_loss"] = 0.0, 0.0
             start = rec.now()
+            rec.enter("forward+backward")
             out = super().training_step(*args, **kwargs)
             end = rec.now()
+            rec.enter("optimizer")
             rec.add("forward", state["compute_loss"])
             rec.add("backward", end - start - state["prepare"] - state["compute_loss"])
             state["training_step_end"] = end
@@ -361,6 +376,7 @@ def main() -> None:
     started = time.perf_counter()
     probe = bench_assets.matmul_gflops(spec["device"], n=2048, dtype="float32", repeats=3)
     rec = Recorder(spec["device"], spec["seed"])
+    rec.enter("load")
     if cli.impl == "trl":
         info = run_trl(spec, rec)
     else:
@@ -378,6 +394,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         **info,
     }
+    result["rss_watch"] = rec.watch.stop()
+    print(describe(result["rss_watch"]), flush=True)
     if spec["device"] == "cuda":
         result["peak_gpu_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
         result["peak_gpu_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20

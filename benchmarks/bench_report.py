@@ -133,6 +133,24 @@ def ratios(ours: list[dict], trl: list[dict], ours_runs: list[dict], trl_runs: l
     }
 
 
+def host_peak_lines(runs: dict[str, list[dict]], frames: int = 3) -> list[str]:
+    """Where each run's host memory peaked (``rss_watch`` of bench_child.py): its split, its phase
+    and the innermost frames of the main thread, one line per run; none for runs without it."""
+    lines = []
+    for impl, impl_runs in runs.items():
+        for run in impl_runs:
+            peak = (run.get("rss_watch") or {}).get("peak")
+            if not peak:
+                continue
+            split = ", ".join(f"{k[:-3]} {peak[k]:,.0f}" for k in ("anon_mb", "file_mb", "shmem_mb", "pinned_host_mb")
+                              if k in peak)
+            where = " ← ".join(f"`{f.split(' ', 1)[0].rsplit('/', 1)[-1]} {f.split(' ', 2)[1].rstrip(':')}`"
+                               for f in reversed(peak.get("stack", [])[-frames:]))
+            lines.append(f"Host peak, {LABELS.get(impl, impl)} repeat {run.get('repeat', 0)}: {peak['rss_mb']:,.0f} MB "
+                         f"({split}) in {peak['phase']}" + (f", at {where}" if where else "") + ".  ")
+    return ([""] + lines) if lines else []
+
+
 def _f(x, digits=2):
     if x is None:
         return "–"
@@ -222,6 +240,7 @@ def markdown(report: dict) -> str:
             gpu = f"; GPU memory {rp['peak_gpu_allocated_mb']:.2f}" if "peak_gpu_allocated_mb" in rp else ""
             lines.append(f"| ours (plain forward)/TRL | {rp['median_step_s']:.2f} | {rp['tokens_per_s']:.2f} | | | | | | | "
                          f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
+        lines += host_peak_lines(size["runs"])
         lines += [
             "",
             f"ours/TRL tokens/s step by step (the same prompts"

@@ -15,6 +15,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
+from grpo_lightning.module.callback_metrics import publish_step_metrics
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
@@ -351,9 +352,7 @@ class GRPOModule(pl.LightningModule):
         }
         once.update(entropy_coef_metrics(self.entropy_coef, self.entropy_coef_metric))
         self.step_metrics = self._metrics.close_step(once)
-        for name, value in self.step_metrics.items():
-            self.log(name, value, logger=False, prog_bar=name in ("reward", "loss"), on_step=True, on_epoch=False,
-                     batch_size=1)
+        publish_step_metrics(self.trainer, self.step_metrics, prog_bar=("reward", "loss"))  # for callbacks
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
