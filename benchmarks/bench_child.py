@@ -349,6 +349,7 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
         beta=spec["beta"], loss_type=spec["loss_type"], gradient_checkpointing=spec["gradient_checkpointing"],
         bf16=cuda, fp16=False, use_cpu=not cuda, seed=spec["seed"], data_seed=spec["seed"], logging_steps=1,
         save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,
+        use_transformers_continuous_batching=spec.get("trl_generation", "generate") == "continuous_batching",
     )
     trainer = TimedGRPOTrainer(
         model=spec["model_dir"], reward_funcs=[bench_assets.first_token_parity_reward], args=args, train_dataset=dataset,

@@ -133,6 +133,22 @@ def ratios(ours: list[dict], trl: list[dict], ours_runs: list[dict], trl_runs: l
     }
 
 
+#: Paths of the code a reader can act on: a peak inside torch.nn is reported with its caller here.
+OWN_CODE = ("grpo_lightning/", "/trl/", "/transformers/", "/lightning/", "benchmarks/")
+
+
+def telling_frames(stack: list[str], count: int) -> list[str]:
+    """The innermost frame and the innermost ``count - 1`` frames of :data:`OWN_CODE`, outer first.
+
+    >>> telling_frames(["/b/bench_child.py:9 main: x", "/p/grpo_lightning/f.py:5 f: y", "/t/torch/nn/linear.py:1 forward: z"], 2)
+    ['/p/grpo_lightning/f.py:5 f: y', '/t/torch/nn/linear.py:1 forward: z']
+    """
+    if not stack:
+        return []
+    own = [f for f in stack[:-1] if any(k in f.split(" ", 1)[0] for k in OWN_CODE)]
+    return own[-(count - 1):] + stack[-1:] if count > 1 else stack[-1:]
+
+
 def host_peak_lines(runs: dict[str, list[dict]], frames: int = 3) -> list[str]:
     """Where each run's host memory peaked (``rss_watch`` of bench_child.py): its split, its phase
     and the innermost frames of the main thread, one line per run; none for runs without it."""
@@ -145,7 +161,7 @@ def host_peak_lines(runs: dict[str, list[dict]], frames: int = 3) -> list[str]:
             split = ", ".join(f"{k[:-3]} {peak[k]:,.0f}" for k in ("anon_mb", "file_mb", "shmem_mb", "pinned_host_mb")
                               if k in peak)
             where = " ← ".join(f"`{f.split(' ', 1)[0].rsplit('/', 1)[-1]} {f.split(' ', 2)[1].rstrip(':')}`"
-                               for f in reversed(peak.get("stack", [])[-frames:]))
+                               for f in reversed(telling_frames(peak.get("stack", []), frames)))
             lines.append(f"Host peak, {LABELS.get(impl, impl)} repeat {run.get('repeat', 0)}: {peak['rss_mb']:,.0f} MB "
                          f"({split}) in {peak['phase']}" + (f", at {where}" if where else "") + ".  ")
     return ([""] + lines) if lines else []
@@ -202,8 +218,10 @@ def markdown(report: dict) -> str:
             f"Our generation back-end: `{s.get('sampler', 'hf_generate')}`"
             + (f", importance-sampling correction {s.get('importance_sampling', 'default')}"
                if s.get("sampler", "hf_generate") != "hf_generate" else "")
-            + "; TRL: transformers `generate`."
-            + ("" if s.get("sampler", "hf_generate") == "hf_generate" else
+            + ("; TRL: transformers `generate`." if s.get("trl_generation", "generate") == "generate" else
+               "; TRL: transformers continuous batching (`use_transformers_continuous_batching`, which casts "
+               "TRL's model to bf16 in place: its training then runs on bf16 weights).")
+            + ("" if s.get("sampler", "hf_generate") == "hf_generate" and s.get("trl_generation", "generate") == "generate" else
                " The two draw their random numbers differently: the completions differ between the trainers "
                "(same distribution), so each trainer's completion lengths are shown."),
             "",

@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "CPU back-end. hf_generate draws the same random numbers as TRL's generate, so both "
                              "trainers sample the same completions at step k; other back-ends sample other "
                              "completions of the same distribution (compare tokens/s and completion lengths)")
+    parser.add_argument("--trl-generation", choices=("generate", "continuous_batching"), default="generate",
+                        help="TRL's generation back-end: generate (default; the same random numbers as our "
+                             "hf_generate) or continuous_batching (use_transformers_continuous_batching=True: "
+                             "transformers' paged engine, TRL's fastest without vLLM on a GPU; TRL casts the "
+                             "model to bf16 in place for it, so its training then runs on bf16 weights)")
     parser.add_argument("--importance-sampling", choices=("off", "default"), default="off",
                         help="our data.importance_sampling for samplers that report log-probs. off (default): as "
                              "TRL, which applies no correction when it samples with generate (its correction is "
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
             "max_steps": warmup + measured, "gradient_checkpointing": args.gradient_checkpointing == "on",
             "beta": args.beta, "loss_type": args.loss_type, "learning_rate": args.learning_rate, "max_grad_norm": 1.0,
             "seed": args.seed, "precision": "bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32",
-            "sampler": args.sampler, "importance_sampling": args.importance_sampling,
+            "sampler": args.sampler, "importance_sampling": args.importance_sampling, "trl_generation": args.trl_generation,
             "attention_kernel": args.attention_kernel,
         }
         runs: dict[str, list] = {impl: [] for impl in impls}

@@ -9,7 +9,8 @@
 For every way of loading it prints the process's current RSS and its peak (``ru_maxrss``) after
 the imports, after the load and (``--device cuda``) after moving to the GPU, as Markdown and JSON
 (``--json``). A load whose peak exceeds the plain ``from_pretrained``'s by more than
-``--max-extra-mb`` (default 25 % of the fp32 weights) fails the run (exit 1): the regression check.
+``--max-extra-mb`` (default 25 % of the fp32 weights, at least 256 MB) fails the run (exit 1): the
+regression check.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-LOADERS = ("from_pretrained", "grpo_module")
+# grpo_module_fit: configure_model as Lightning's fit calls it, inside the strategy's
+# tensor_init_context (``with torch.device(root_device)``: on one GPU the weights are created there).
+LOADERS = ("from_pretrained", "grpo_module", "grpo_module_fit")
 
 
 def _rss() -> dict:
@@ -54,12 +57,13 @@ def child(loader: str, model_dir: str, device: str) -> dict:
         from grpo_lightning.module import GRPOModule
 
         module = GRPOModule(model_dir, save_final_model=False)
-        module.configure_model()
+        with torch.device(device if loader == "grpo_module_fit" else "cpu"):
+            module.configure_model()
         model = module.policy
     out["load_s"] = round(time.perf_counter() - started, 2)
     out["loaded"] = _rss()
     with torch.no_grad():  # read every weight, as a move to the GPU does (mmap-backed weights become resident)
-        sum(float(p.float().sum()) for p in model.parameters())
+        sum(float(p.float().sum()) for p in model.parameters())  # on the GPU already for grpo_module_fit
     out["touched"] = _rss()
     out["param_dtype"] = str(next(model.parameters()).dtype)
     out["param_device"] = str(next(model.parameters()).device)
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="qwen0.5b", help="a size of benchmarks/bench_assets.py (default qwen0.5b)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--max-extra-mb", type=float, default=None,
-                        help="allowed peak above from_pretrained's (default: 25%% of the fp32 weights)")
+                        help="allowed peak above from_pretrained's (default: 25%% of the fp32 weights, at least "
+                             "256 MB: the tokenizer and the module's imports take ~110 MB whatever the size)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--_child", nargs=3, metavar=("LOADER", "DIR", "DEVICE"), help=argparse.SUPPRESS)
     parser.add_argument("--_build", nargs=2, metavar=("SIZE", "ROOT"), help=argparse.SUPPRESS)
@@ -125,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         cells = [f"{r[s]['rss_mb']:,.0f} / {r[s]['peak_mb']:,.0f}" for s in stages]
         print(f"| {r['loader']} | " + " | ".join(cells) + f" | {r['load_s']} |")
-    limit = args.max_extra_mb if args.max_extra_mb is not None else 0.25 * weights_mb
+    limit = args.max_extra_mb if args.max_extra_mb is not None else max(256.0, 0.25 * weights_mb)
     base = results[0][stages[-1]]["peak_mb"]
-    extra = results[1][stages[-1]]["peak_mb"] - base
+    extra = max(r[stages[-1]]["peak_mb"] for r in results[1:]) - base
     verdict = "ok" if extra <= limit else "FAIL"
-    print(f"\ngrpo_module peak - from_pretrained peak: {extra:,.0f} MB (limit {limit:,.0f}): {verdict}")
+    print(f"\nlargest grpo_module peak - from_pretrained peak: {extra:,.0f} MB (limit {limit:,.0f}): {verdict}")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "device": args.device, "weights_mb": weights_mb,
                                          "results": results, "extra_peak_mb": extra, "limit_mb": limit}, indent=1))

@@ -28,10 +28,12 @@
 #              --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_wheels \
 #              hjson pydantic pydantic-core annotated-types typing-inspection
 #          without them the DeepSpeed runs print that they were skipped
-#   kernels, bench15, learn  issue #15 (scripts/gpu/issue15.sh, docs/gpu.md; not in the default list):
-#          attention kernels' CUDA equality tests + training pass per kernel; ours vs TRL with HF
-#          generate on both sides, then our fastest sampler; the arithmetic learning curve.
+#   kernels, bench15, learn, samplers15  issue #15 (scripts/gpu/issue15.sh, docs/gpu.md; not in the
+#          default list): attention kernels' CUDA equality tests + training pass per kernel; ours vs
+#          TRL with HF generate on both sides, then our fastest sampler; the arithmetic learning
+#          curve; then (second call) both sides with continuous batching and the host-RSS loading check.
 #            SECTIONS=kernels,bench15,learn BENCH_OUT_DIR=$OUT scripts/gpu_check.sh   # ~9 min
+#            SECTIONS=samplers15,strategies BENCH_OUT_DIR=$OUT scripts/gpu_check.sh   # ~9 min
 # Results go to $BENCH_OUT_DIR (default benchmarks/results; on the device machine use $OUT).
 # The machine has no package index: wheels it lacks are carried in .gpu_wheels/ (made by
 # `scripts/gpu_wheels.sh`, git-ignored) and installed without dependencies.
@@ -100,6 +102,6 @@ if [[ ,$SECTIONS, == *,strategies,* ]]; then
   fi
 fi
 
-for part in kernels bench15 learn; do  # issue #15: the logic is in scripts/gpu/issue15.sh
+for part in kernels bench15 learn samplers15; do  # issue #15: the logic is in scripts/gpu/issue15.sh
   if [[ ,$SECTIONS, == *,$part,* ]]; then PYTHON=$PY bash scripts/gpu/issue15.sh "$part" "$OUT_DIR"; fi
 done

@@ -8,6 +8,8 @@
 #                                            # G=8, 256 tokens, HF generate on both sides; then our fastest
 #                                            # sampler (vllm_colocate where vLLM is installed, else fast_generate)
 #   scripts/gpu/issue15.sh learn OUT_DIR     # ~2 min: the arithmetic learning curve (scripts/gpu/learn.py)
+#   scripts/gpu/issue15.sh samplers15 OUT_DIR  # ~4 min: each side's other fast sampler: ours and TRL with
+#                                            # transformers' continuous batching; the host-RSS loading check
 #
 # DRY_RUN=1 runs every part on CPU at a tiny size (what this machine can check: the scripts run,
 # the files appear); its numbers mean nothing.
@@ -24,12 +26,14 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   KERNEL_PATHS="plain,chunked+packed,chunked+packed/varlen"  # flex has no CPU backward
   BENCH="--device cpu --sizes tiny --repeats 1 --warmup-steps 1 --measured-steps 1"
   LEARN="--tiny"
+  HOST_RSS="--device cpu --size tiny --json $OUT_DIR/host_rss_cpu_dry.json"
   TAG=cpu_dry
 else
   SHAPE="--device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3"
   KERNEL_PATHS="plain,chunked+packed,chunked+packed/varlen,chunked+packed/flex,chunked+packed+shared,chunked+packed+shared/flex"
   BENCH="--device cuda --sizes qwen0.5b --run-timeout 240"
   LEARN="--steps 100 --eval-every 10"
+  HOST_RSS="--device cuda --json $OUT_DIR/host_rss_cuda.json"
   TAG=cuda
 fi
 
@@ -56,13 +60,24 @@ case $PART in
     $PY benchmarks/compare_trl.py $BENCH --sampler $FAST --impls ours --out-dir "$OUT_DIR" \
       --attention-kernel auto --tag "bench15_${TAG}_$FAST" || echo "BENCH ($FAST) FAILED"
     ;;
+  samplers15)
+    if [ -z "${GRPO_SHARED_ASSETS:-}" ] && [ -d .gpu_wheels/assets/tokenizers/qwen2.5 ]; then
+      export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets
+    fi
+    echo "== ours and TRL with transformers' continuous batching (TRL's fastest sampler without vLLM)"
+    $PY benchmarks/compare_trl.py $BENCH --sampler continuous_batching --trl-generation continuous_batching \
+      --impls ours,trl --out-dir "$OUT_DIR" --attention-kernel auto --tag "samplers15_${TAG}_continuous_batching" \
+      || echo "BENCH (continuous_batching) FAILED"
+    echo "== host RSS of loading the Qwen2.5-0.5B shape and moving it to the device: ours vs from_pretrained"
+    timeout 180 $PY benchmarks/host_rss.py $HOST_RSS || echo "HOST RSS CHECK FAILED"
+    ;;
   learn)
     echo "== learning curve: two-digit addition, held-out accuracy (scripts/gpu/learn.py)"
     timeout 300 $PY scripts/gpu/learn.py $LEARN --out "$OUT_DIR/learn_${TAG}.json" \
       --plot "$OUT_DIR/learning_curve_${TAG}.png" || echo "LEARN FAILED"
     ;;
   *)
-    echo "unknown part $PART: kernels, bench15, learn" >&2
+    echo "unknown part $PART: kernels, bench15, learn, samplers15" >&2
     exit 2
     ;;
 esac

@@ -46,8 +46,8 @@ def test_a_rise_names_the_allocating_function_and_its_phase():
     assert peak["anon_mb"] >= before["anon_mb"] + 350  # a tensor is anonymous memory, not a mapped file
     assert peak["phase"] == "generation"
     assert any("allocate_and_hold" in frame for frame in peak["stack"])
-    rises = [r for r in report["rises"] if r["rss_mb"] >= before["rss_mb"] + 350]
-    assert rises and any("allocate_and_hold" in f for f in rises[0]["stack"])
+    last = report["rises"][-1]  # within one step (64 MB) of the peak, on the way up
+    assert last["rss_mb"] >= peak["rss_mb"] - 64 and any("allocate_and_hold" in f for f in last["stack"])
 
 
 def test_rises_are_kept_per_step_and_the_peak_is_the_maximum():
@@ -67,8 +67,11 @@ def test_report_line_for_a_run():
     bench_report = _load("bench_report")
     run = {"repeat": 0, "rss_watch": {"peak": {
         "rss_mb": 9783.0, "anon_mb": 9000.0, "file_mb": 700.0, "shmem_mb": 83.0, "phase": "backward", "t_s": 30.0,
-        "stack": ["/x/a.py:10 outer: f()", "/x/chunked.py:88 head_chunk: logits = h @ w"]}}}
+        "stack": ["/x/bench_child.py:5 main: run()", "/x/grpo_lightning/a.py:10 outer: f()",
+                  "/x/grpo_lightning/chunked.py:88 head_chunk: logits = h @ w", "/x/torch/nn/linear.py:134 forward: F.linear()"]}}}
     (line,) = [ln for ln in bench_report.host_peak_lines({"ours": [run]}) if ln]
     assert "9,783 MB" in line and "anon 9,000" in line and "in backward" in line
-    assert line.index("chunked.py:88 head_chunk") < line.index("a.py:10 outer")  # innermost frame first
+    # innermost frame first, then the package's own frames outwards (3 in all)
+    assert line.index("linear.py:134 forward") < line.index("chunked.py:88 head_chunk") < line.index("a.py:10 outer")
+    assert "bench_child" not in line
     assert bench_report.host_peak_lines({"trl": [{"repeat": 0}]}) == []
