@@ -382,6 +382,14 @@ class GRPOModule(pl.LightningModule):
     def on_train_end(self) -> None:
         if self.save_final_model:
             self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
+        self._exported_at_step = self.trainer.global_step
+
+    def on_fit_end(self) -> None:
+        """A fit resumed from a checkpoint already at ``max_steps`` runs no training loop, so no
+        ``on_train_end``: export the restored weights here (a run killed before its export)."""
+        done = 0 < self.trainer.max_steps <= self.trainer.global_step
+        if self.save_final_model and done and getattr(self, "_exported_at_step", None) != self.trainer.global_step:
+            self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
 
     def export(self, directory: str) -> None:
         """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers).
