@@ -5,20 +5,15 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from grpo_lightning.data import RolloutDataModule
-from grpo_lightning.module import GRPOModule
 from grpo_lightning.module.forward import completion_logprobs
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.model_loading import load_tokenizer
 from grpo_lightning.module.training_forward import rows_logprobs
-from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward
 from tests.vlm.test_vlm_forward import ATOL, _batch, _prompts, _reference
-from tests.vlm.test_vlm_training import write_image_prompts
+from tests.vlm.test_vlm_training import changed_parameters, fit
 from tests.vlm.tiny_vlm import qwen2_5_vl_model, qwen2_5_vl_processor
 
 
@@ -46,15 +41,8 @@ def test_qwen2_5_vl_training_and_no_grad_passes_match_each_row_alone(processor):
 
 @pytest.mark.slow
 def test_two_optimizer_steps_train_a_tiny_qwen2_5_vl(tmp_path, processor):
-    model = qwen2_5_vl_model(processor.tokenizer)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    module = GRPOModule(model, tokenizer=processor, learning_rate=1e-2, lr_scheduler_type="constant",
-                        gradient_checkpointing=True, save_final_model=False)
-    datamodule = RolloutDataModule(write_image_prompts(tmp_path), reward_funcs=[length_reward], num_generations=2,
-                                   per_device_train_batch_size=4, generation=GenerationParams(max_completion_length=4))
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(module, datamodule)
+    module, trainer, before, _ = fit(tmp_path, processor, model=qwen2_5_vl_model(processor.tokenizer),
+                                     module_kwargs={"gradient_checkpointing": True, "save_final_model": False})
     assert trainer.global_step == 2
-    changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+    changed = changed_parameters(module, before)
     assert any("visual" in n for n in changed) and any("language_model" in n for n in changed)

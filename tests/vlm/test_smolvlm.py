@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.multimodal import attach_model_inputs, encode_row_prompt, row_inputs_of
-from grpo_lightning.module import GRPOModule
 from grpo_lightning.module.forward import completion_logprobs
 from grpo_lightning.module.model_loading import load_tokenizer
-from grpo_lightning.types import GenerationParams, Rollout, RolloutBatch
-from tests.helpers import length_reward
-from tests.vlm.test_vlm_training import write_image_prompts
+from grpo_lightning.types import Rollout, RolloutBatch
+from tests.vlm.test_vlm_training import changed_parameters, fit
 from tests.vlm.tiny_vlm import color_image, idefics3_model
 
 ATOL = 4e-6  # float64 model, float32 log-probs (|logp| ~ 12)
@@ -77,18 +73,11 @@ def test_a_text_prompt_needs_one_image_token_per_image(idefics3_processor):
 
 @pytest.mark.slow
 def test_two_optimizer_steps_train_a_tiny_idefics3(tmp_path, idefics3_processor):
-    tokenizer = load_tokenizer(idefics3_processor)
-    model = idefics3_model(tokenizer)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    module = GRPOModule(model, tokenizer=idefics3_processor, learning_rate=1e-2, lr_scheduler_type="constant",
-                        gradient_checkpointing=False, save_final_model=False)
-    datamodule = RolloutDataModule(write_image_prompts(tmp_path), reward_funcs=[length_reward], num_generations=2,
-                                   per_device_train_batch_size=4, generation=GenerationParams(max_completion_length=4))
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(module, datamodule)
+    model = idefics3_model(load_tokenizer(idefics3_processor))
+    module, trainer, before, _ = fit(tmp_path, idefics3_processor, model=model,
+                                     module_kwargs={"save_final_model": False})
     assert trainer.global_step == 2
-    changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+    changed = changed_parameters(module, before)
     assert any("vision_model" in n for n in changed) and any("text_model" in n for n in changed)
 
 

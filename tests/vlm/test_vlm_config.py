@@ -7,7 +7,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from grpo_lightning.cli import GRPOLightningCLI, LogConfigToMLflow, TRAINER_DEFAULTS
 from grpo_lightning.data import RolloutDataModule

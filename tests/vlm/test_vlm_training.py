@@ -35,13 +35,16 @@ class RecordBatches(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         assert batch.model_inputs is not None and len(batch.model_inputs) == len(batch)
-        self.grids.append([g.tolist() for g in batch.model_inputs.rows["image_grid_thw"]])
+        self.grids.append([g.tolist() for g in batch.model_inputs.rows.get("image_grid_thw", [])])  # Qwen-VL
 
 
-def fit(tmp_path, processor, *, max_steps=2, module_kwargs=None, callbacks=(), logger=False, **data_kwargs):
-    model = qwen2_vl_model(processor.tokenizer)
-    module = GRPOModule(model, tokenizer=processor, learning_rate=1e-2, lr_scheduler_type="constant",
-                        gradient_checkpointing=False, **(module_kwargs or {}))
+def fit(tmp_path, processor, *, model=None, max_steps=2, module_kwargs=None, callbacks=(), logger=False, **data_kwargs):
+    """Trains ``model`` (default: a tiny Qwen2-VL) on 4 image prompts; ``(module, trainer, weights
+    before, recorded image grids)``."""
+    model = model if model is not None else qwen2_vl_model(processor.tokenizer)
+    settings = {"learning_rate": 1e-2, "lr_scheduler_type": "constant", "gradient_checkpointing": False,
+                **(module_kwargs or {})}
+    module = GRPOModule(model, tokenizer=processor, **settings)
     datamodule = RolloutDataModule(
         write_image_prompts(tmp_path), reward_funcs=[length_reward], num_generations=2,
         per_device_train_batch_size=4, generation=GenerationParams(max_completion_length=4), **data_kwargs,
@@ -55,11 +58,15 @@ def fit(tmp_path, processor, *, max_steps=2, module_kwargs=None, callbacks=(), l
     return module, trainer, before, recorder
 
 
+def changed_parameters(module, before) -> set[str]:
+    return {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+
+
 @pytest.mark.slow
 def test_two_optimizer_steps_train_a_tiny_qwen2_vl(tmp_path, qwen_processor):
     module, trainer, before, recorder = fit(tmp_path, qwen_processor)
     assert trainer.global_step == 2
-    changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
+    changed = changed_parameters(module, before)
     assert any("visual" in n for n in changed), "the vision tower got no update: the images did not reach the loss"
     assert any("language_model" in n for n in changed)
     # Each micro-batch: 4 rows (2 prompts x 2 completions), each with its own image grid.
