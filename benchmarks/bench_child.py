@@ -244,7 +244,7 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
     datamodule.rewards.score = timed_score
     trainer = pl.Trainer(
         max_steps=spec["max_steps"], accelerator="gpu" if cuda else "cpu", devices=1,
-        precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
+        precision="bf16-mixed" if spec.get("bf16", cuda) else "32-true", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=spec["max_grad_norm"],
         log_every_n_steps=1, callbacks=[Timers()], default_root_dir=spec["work_dir"],
     )
@@ -347,7 +347,7 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
         max_completion_length=spec["max_completion_length"], temperature=1.0, learning_rate=spec["learning_rate"],
         lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], max_steps=spec["max_steps"],
         beta=spec["beta"], loss_type=spec["loss_type"], gradient_checkpointing=spec["gradient_checkpointing"],
-        bf16=cuda, fp16=False, use_cpu=not cuda, seed=spec["seed"], data_seed=spec["seed"], logging_steps=1,
+        bf16=spec.get("bf16", cuda), fp16=False, use_cpu=not cuda, seed=spec["seed"], data_seed=spec["seed"], logging_steps=1,
         save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,
         use_transformers_continuous_batching=spec.get("trl_generation", "generate") == "continuous_batching",
     )

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "CPU back-end. hf_generate draws the same random numbers as TRL's generate, so both "
                              "trainers sample the same completions at step k; other back-ends sample other "
                              "completions of the same distribution (compare tokens/s and completion lengths)")
+    parser.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                        help="bf16 autocast over fp32 weights on both sides (bf16-mixed / bf16=True); auto: on for "
+                             "cuda, off for cpu")
     parser.add_argument("--trl-generation", choices=("generate", "continuous_batching"), default="generate",
                         help="TRL's generation back-end: generate (default; the same random numbers as our "
                              "hf_generate) or continuous_batching (use_transformers_continuous_batching=True: "
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         report = json.loads(Path(args.report_only).read_text())
         return finish(report, Path(args.out_dir), args.tag or Path(args.report_only).stem)
 
+    bf16 = args.device == "cuda" if args.bf16 == "auto" else args.bf16 == "on"
     sizes = (args.sizes or ("qwen0.5b" if args.device == "cuda" else "tiny,qwen-42m")).split(",")
     impls = args.impls.split(",")
     started = time.perf_counter()
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
             "max_completion_length": size.max_completion_length, "warmup_steps": warmup, "measured_steps": measured,
             "max_steps": warmup + measured, "gradient_checkpointing": args.gradient_checkpointing == "on",
             "beta": args.beta, "loss_type": args.loss_type, "learning_rate": args.learning_rate, "max_grad_norm": 1.0,
-            "seed": args.seed, "precision": "bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32",
+            "seed": args.seed, "bf16": bf16, "precision": "bf16 autocast, fp32 weights" if bf16 else "fp32",
             "sampler": args.sampler, "importance_sampling": args.importance_sampling, "trl_generation": args.trl_generation,
             "attention_kernel": args.attention_kernel,
         }
