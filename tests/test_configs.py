@@ -81,9 +81,9 @@ HUB_COLUMNS = {
 }
 
 
-def offline_hub(tmp_path):
-    """``load_prompt_dataset`` that serves the recipes' Hub datasets as one-row local files with
-    their real columns (local paths load as usual)."""
+def offline_hub(tmp_path, rows: int = 1):
+    """``load_prompt_dataset`` that serves the recipes' Hub datasets as ``rows``-row local files
+    with their real columns (local paths load as usual)."""
     import json
 
     from grpo_lightning.data import prompt_sets
@@ -94,7 +94,7 @@ def offline_hub(tmp_path):
         if path_or_name not in HUB_COLUMNS:
             return real(path_or_name, **kwargs)
         local = tmp_path / (path_or_name.replace("/", "_") + ".jsonl")
-        local.write_text(json.dumps(HUB_COLUMNS[path_or_name]) + "\n")
+        local.write_text((json.dumps(HUB_COLUMNS[path_or_name]) + "\n") * rows)
         return real(str(local), **{**kwargs, "name": None, "data_files": None})
 
     return load
