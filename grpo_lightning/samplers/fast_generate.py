@@ -3,6 +3,7 @@ finished rows dropped from the batch and the sampled tokens' log-probs (docs/fas
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -151,6 +152,7 @@ class FastGenerateSampler(Sampler):
         max_new = config.max_new_tokens
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate's
         cache = DynamicCache(config=model.config)
+        cache_kwarg = cache_keyword(model)
         tokens = torch.full((n, max_new), pad, dtype=torch.long, device=device)  # (R, T) sampled ids
         logps = torch.zeros((n, max_new), dtype=torch.float32, device=device)
         lengths = torch.full((n,), max_new, dtype=torch.long)
@@ -160,11 +162,17 @@ class FastGenerateSampler(Sampler):
         head = OneDNNHead.for_model(model) if self.onednn_head else None
         decoder = model.get_decoder() if head is not None else None
         for t in range(max_new):
-            inputs = dict(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, cache=cache, use_cache=True)
+            inputs = dict(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, use_cache=True,
+                          **{cache_kwarg: cache})
             if t == 0 or head is None:
                 logits, hidden = _model_logits(model, decoder, inputs)
                 if head is not None and not head.reproduces(hidden, logits):
                     head = None  # the model's logits are not its LM head's output (soft-capping, scaling, ...)
+                if t == 0 and cache.get_seq_length() == 0:
+                    raise RuntimeError(
+                        f"FastGenerateSampler: the model left the KV cache passed as {cache_kwarg}= empty, so later "
+                        "tokens would be sampled without their context. Use data.sampler: hf_generate for this model."
+                    )
             else:
                 logits = head(decoder(**inputs, return_dict=True).last_hidden_state[:, -1])
             scores = processors(input_ids, logits.float())  # (r, V)
@@ -185,6 +193,14 @@ class FastGenerateSampler(Sampler):
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
         keep_lengths = lengths.tolist()
         return ([row[:k] for row, k in zip(tokens, keep_lengths)], [row[:k] for row, k in zip(logps, keep_lengths)])
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` from transformers
+    5.24, ``past_key_values`` before (a PEFT wrapper is looked through to its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parameters = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _model_logits(model: Any, decoder: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:

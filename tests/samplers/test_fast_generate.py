@@ -6,6 +6,7 @@ the oneDNN head's self-check, one draw from the global RNG, refused settings."""
 
 from __future__ import annotations
 
+import inspect
 import copy
 import math
 
@@ -283,3 +284,15 @@ def test_refusals(model_dir):
         FastGenerateSampler(max_batch_rows=0)
     assert isinstance(get_sampler("fast_generate"), FastGenerateSampler)
     assert FastGenerateSampler.provides_logprobs and not FastGenerateSampler.keeps_own_weights
+
+
+def test_a_model_that_ignores_the_cache_is_refused(model_dir, monkeypatch):
+    """The cache keyword follows transformers' spelling (``cache`` from 5.24, ``past_key_values``
+    before); a forward that drops the cache would sample every later token without its context."""
+    from grpo_lightning.samplers import fast_generate
+
+    module, sampler, prompts = setup(model_dir)
+    assert fast_generate.cache_keyword(module.policy) in inspect.signature(type(module.policy).forward).parameters
+    monkeypatch.setattr(fast_generate, "cache_keyword", lambda model: "not_the_cache")
+    with pytest.raises(RuntimeError, match="left the KV cache passed as not_the_cache= empty"):
+        sampler.generate(prompts, 2, GenerationParams(max_completion_length=3))
