@@ -18,6 +18,7 @@ from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Ro
 CPU_PAGE_SIZE = 64  # tokens per cache page on CPU (transformers' 256 suits GPU kernels; short rows waste less)
 MAX_DEFAULT_BATCH_TOKENS = 4096  # cap of the default tokens per engine step
 SIZED_SETTINGS = ("num_blocks", "max_batch_tokens")  # a larger kept cache serves a smaller request
+MIN_TRANSFORMERS = "5.18"  # tested on 5.18, 5.23 and 5.24
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ContinuousBatchingSampler(Sampler):
         self._plan: ManagerPlan | None = None
 
     def bind(self, handle: PolicyHandle) -> None:
+        check_engine_version()
         self._drop_manager()  # a manager belongs to one model
         super().bind(handle)
 
@@ -151,7 +153,8 @@ class ContinuousBatchingSampler(Sampler):
         manager = self._manager_for(model, generation, settings)
         started = ok = False
         try:
-            manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
+            flash = getattr(manager.continuous_batching_config, "auto_switch_to_flash", None)  # transformers >= 5.19
+            manager.switch_to_cb_friendly_attn(model, *(() if flash is None else (flash,)))
             if manager.batch_processor is None:
                 manager.warmup()  # builds the paged cache (and captures CUDA graphs when enabled)
             cache = manager.batch_processor.cache
@@ -240,6 +243,21 @@ def _collect(manager: Any, request_ids: list[str]) -> dict[str, Any]:
             pending.discard(output.request_id)
             done[output.request_id] = output
     return done
+
+
+def check_engine_version() -> None:
+    """The engine this sampler drives appeared in its current form in transformers 5.18 (``page_size``,
+    and a paged cache that can forget its prefix blocks after a weight push); refuse older ones."""
+    import transformers
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    if not (hasattr(ContinuousBatchingConfig, "page_size") and hasattr(PagedAttentionCache, "reset")):
+        raise RuntimeError(
+            f"data.sampler: continuous_batching needs transformers >= {MIN_TRANSFORMERS} (its paged cache must forget "
+            f"prefix blocks computed with older weights); this is transformers {transformers.__version__}. "
+            f"pip install -U 'transformers>={MIN_TRANSFORMERS}', or use data.sampler: hf_generate or fast_generate."
+        )
 
 
 def _refuse_multimodal(handle: PolicyHandle) -> None:

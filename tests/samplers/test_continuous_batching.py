@@ -14,7 +14,7 @@ import torch
 
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.samplers import get_sampler
-from grpo_lightning.samplers.continuous_batching import ContinuousBatchingSampler
+from grpo_lightning.samplers.continuous_batching import ContinuousBatchingSampler, check_engine_version
 from grpo_lightning.types import GenerationParams
 from grpo_lightning.utils.checkpointing import is_activation_checkpointing
 from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
@@ -36,6 +36,10 @@ def model_dir(tmp_path_factory):
 
 
 def setup(model_dir, **sampler_kwargs):
+    try:
+        check_engine_version()
+    except RuntimeError as error:  # the refusal itself is tested below
+        pytest.skip(str(error))
     module = built(GRPOModule(model_dir, save_final_model=False))
     sampler = ContinuousBatchingSampler(**sampler_kwargs)
     sampler.bind(module)
@@ -255,3 +259,11 @@ data:
 """)
     cli = ParseOnly(GRPOModule, RolloutDataModule, run=False, args=["--config", str(config)])
     assert cli.config.data.sampler.init_args.continuous_batching_config == {"num_blocks": 64, "page_size": 32}
+
+
+def test_an_engine_older_than_transformers_5_18_is_refused_by_name(monkeypatch):
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    monkeypatch.delattr(PagedAttentionCache, "reset", raising=False)  # as in transformers 5.17
+    with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.18 .*pip install -U 'transformers>=5\.18'"):
+        ContinuousBatchingSampler().bind(None)
