@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 
 from grpo_lightning.cli import run_cli
-from grpo_lightning.samplers.continuous_batching import ContinuousBatchingSampler
+from grpo_lightning.samplers.continuous_batching import ContinuousBatchingSampler, check_engine_version
 from tests.helpers import make_model_dir, write_prompts
 
 
@@ -20,6 +20,10 @@ class Record(pl.Callback):
 
 
 def test_fit_with_continuous_batching(tmp_path):
+    try:
+        check_engine_version()
+    except RuntimeError as error:
+        pytest.skip(str(error))
     Record.steps = []
     config = tmp_path / "cfg.yaml"
     config.write_text(f"""

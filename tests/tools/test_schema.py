@@ -81,7 +81,12 @@ class Counter:
 
 @pytest.mark.parametrize("func", [multiply, async_add, rich, Counter().increment], ids=lambda f: f.__name__)
 def test_schema_equals_transformers(func):
+    import transformers
+    from packaging.version import Version
     from transformers.utils import get_json_schema
+
+    if Version(transformers.__version__) < Version("5.24") and func is rich:
+        pytest.skip("transformers < 5.24 types a list return as 'object'; the schema follows 5.24's 'array'")
 
     assert tool_schema(func) == get_json_schema(func)
 

@@ -24,4 +24,7 @@ def idefics3_processor(shared_assets):
     folder = shared_assets / "tokenizers" / "qwen2.5"
     if not folder.is_dir():
         pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    return build(folder)
+    try:
+        return build(folder)
+    except ImportError as error:  # transformers before its PIL image processors needs torchvision here
+        pytest.skip(f"the Idefics3 image processor of this transformers needs torchvision: {error}")
