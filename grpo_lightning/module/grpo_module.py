@@ -16,6 +16,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.callback_metrics import publish_step_metrics
+from grpo_lightning.module.step_logging import FlushStepLogs
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
@@ -37,6 +38,9 @@ from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 
+
+#: Checkpoint key of the metrics logged since the last log (``TrainingMetrics.state_dict``).
+LOG_WINDOW_KEY = "grpo_metrics_log_window"
 
 class GRPOModule(pl.LightningModule):
     """Trains a causal LM with Group Relative Policy Optimization.
@@ -304,7 +308,12 @@ class GRPOModule(pl.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_started = time.perf_counter()
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [FlushStepLogs()]  # the logging below, ahead of the checkpoint callbacks (step_logging.py)
+
+    def end_train_batch(self) -> None:
+        """After a micro-batch (``FlushStepLogs``): at an optimizer step's end, log every
+        ``log_every_n_steps`` steps."""
         if self.trainer.global_step == self._last_global_step:  # still accumulating
             self._metrics.seconds += time.perf_counter() - self._batch_started
             return
@@ -312,7 +321,7 @@ class GRPOModule(pl.LightningModule):
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop:
             self._log_to_loggers()
 
-    def on_train_epoch_end(self) -> None:
+    def end_train_epoch(self) -> None:
         if self._metrics:
             self._log_to_loggers()
 
@@ -374,9 +383,15 @@ class GRPOModule(pl.LightningModule):
             total_steps=int(self.trainer.estimated_stepping_batches),
         )
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[LOG_WINDOW_KEY] = self._metrics.state_dict()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
             drop_quantization_state(checkpoint["state_dict"])
+        if LOG_WINDOW_KEY in checkpoint:
+            self._metrics.load_state_dict(checkpoint[LOG_WINDOW_KEY])
+        self._last_global_step = checkpoint.get("global_step", self._last_global_step)  # the step it resumes in
 
     # ------------------------------------------------------------------------- export
     def on_train_end(self) -> None:

@@ -65,6 +65,14 @@ class MetricsWindow:
     def __bool__(self) -> bool:
         return bool(self._values) or bool(self._latest)
 
+    def state_dict(self) -> dict[str, dict]:
+        """What was added since the last flush (plain lists and floats: a checkpoint holds it)."""
+        return {"values": {k: list(v) for k, v in self._values.items()}, "latest": dict(self._latest)}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        self._values = defaultdict(list, {k: list(v) for k, v in state["values"].items()})
+        self._latest = dict(state["latest"])
+
     def flush(self) -> dict[str, float]:
         """NaN-dropping means of everything added since the last flush (NaN if nothing valid)."""
         out = dict(self._latest)
@@ -111,3 +119,12 @@ class TrainingMetrics:
 
     def __bool__(self) -> bool:
         return bool(self._log)
+
+    def state_dict(self) -> dict[str, dict]:
+        """The loggers' window since the last log: a run resumed from a checkpoint written between two
+        logs (``log_every_n_steps > 1``) logs the same averages as one that never stopped. Taken at
+        a step's end, where the step window is empty."""
+        return {"log": self._log.state_dict()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        self._log.load_state_dict(state["log"])

@@ -1,0 +1,74 @@
+"""A step's metrics are logged before its checkpoint is written, and the metrics not yet logged
+travel in the checkpoint: a resumed run logs what one that never stopped logs."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers.logger import Logger
+
+from grpo_lightning.data import RolloutDataModule
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.types import GenerationParams
+from tests.helpers import length_reward, make_model_dir, write_prompts
+
+
+class MemoryLogger(Logger):
+    name, version = "memory", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+class CheckpointSeesLoggedSteps(ModelCheckpoint):
+    """Records, at each save, the steps the logger already holds."""
+
+    def __init__(self, logger: MemoryLogger, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.memory, self.seen = logger, []
+
+    def _save_checkpoint(self, trainer, filepath):
+        self.seen.append((trainer.global_step, [step for step, _ in self.memory.rows]))
+        super()._save_checkpoint(trainer, filepath)
+
+
+def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None):
+    tmp_path.mkdir(exist_ok=True)
+    logger = MemoryLogger()
+    checkpoint = CheckpointSeesLoggedSteps(logger, dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1,
+                                           filename="{step}")
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, log_every_n_steps=log_every,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint])
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=8, seed=3, generation=GenerationParams(max_completion_length=4))
+    pl.seed_everything(0)
+    # constant: the run stopped at step 3 follows the same schedule as the one that goes on to 4
+    module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, lr_scheduler_type="constant",
+                        save_final_model=False)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return logger, checkpoint
+
+
+def test_a_step_is_logged_before_its_checkpoint(tmp_path):
+    logger, checkpoint = _fit(tmp_path, max_steps=3, log_every=1)
+    assert [(step, logged) for step, logged in checkpoint.seen] == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
+
+
+def test_a_resume_between_two_logs_logs_the_same_averages(tmp_path):
+    straight, _ = _fit(tmp_path / "a", max_steps=4, log_every=2)
+    _fit(tmp_path / "b", max_steps=3, log_every=2)  # its step-3 checkpoint holds step 3's unlogged metrics
+    resumed, _ = _fit(tmp_path / "b", max_steps=4, log_every=2, ckpt_path=str(tmp_path / "b" / "ckpt" / "step=3.ckpt"))
+    want = dict(straight.rows)[4]
+    got = dict(resumed.rows)[4]
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if name == "step_time":  # wall time: differs from run to run
+            continue
+        assert got[name] == value, (name, {k: (got[k], v) for k, v in want.items() if got[k] != v})
