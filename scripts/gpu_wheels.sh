@@ -15,6 +15,11 @@ DS_BUILD_OPS=0 .venv/bin/pip wheel -q --no-deps --no-build-isolation deepspeed==
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_wheels \
   hjson pydantic pydantic-core annotated-types typing-inspection
+# transformers as `make test` runs it, for `samplers15` only (its continuous batching needs >= 5.18;
+# the image has 5.17). A subfolder: gpu_check.sh's install of .gpu_wheels/*.whl leaves it out.
+TF_VERSION=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d .gpu_wheels/transformers "transformers==$TF_VERSION"
 # The real Qwen2.5 tokenizer for the benchmark (the GPU machine has no ../shared/assets):
 # gpu_check.sh points GRPO_SHARED_ASSETS at this copy.
 SHARED=${GRPO_SHARED_ASSETS:-../shared/assets}

@@ -64,6 +64,11 @@ case $PART in
     if [ -z "${GRPO_SHARED_ASSETS:-}" ] && [ -d .gpu_wheels/assets/tokenizers/qwen2.5 ]; then
       export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets
     fi
+    if compgen -G ".gpu_wheels/transformers/*.whl" > /dev/null; then  # the image's 5.17 predates the engine we drive
+      $PY -m pip install -q --no-deps --no-index --target /tmp/transformers_cb .gpu_wheels/transformers/*.whl
+      export PYTHONPATH=/tmp/transformers_cb${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    $PY -c "import transformers; print('transformers', transformers.__version__, 'for continuous batching')"
     echo "== ours and TRL with transformers' continuous batching (TRL's fastest sampler without vLLM)"
     $PY benchmarks/compare_trl.py $BENCH --sampler continuous_batching --trl-generation continuous_batching \
       --impls ours,trl --out-dir "$OUT_DIR" --attention-kernel auto --tag "samplers15_${TAG}_continuous_batching" \
