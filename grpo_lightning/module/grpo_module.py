@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from contextlib import nullcontext
 from typing import Any, ContextManager, Literal
 
@@ -16,7 +15,6 @@ from lightning.pytorch.cli import OptimizerCallable
 from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_loss
 from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.callback_metrics import publish_step_metrics
-from grpo_lightning.module.step_logging import FlushStepLogs
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
@@ -31,6 +29,7 @@ from grpo_lightning.module.optimizer_settings import build_optimizer, check_opti
 from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
+from grpo_lightning.module.step_logging import FlushStepLogs, log_metrics
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
@@ -39,8 +38,6 @@ from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 
 
-#: Checkpoint key of the metrics logged since the last log (``TrainingMetrics.state_dict``).
-LOG_WINDOW_KEY = "grpo_metrics_log_window"
 
 class GRPOModule(pl.LightningModule):
     """Trains a causal LM with Group Relative Policy Optimization.
@@ -169,9 +166,8 @@ class GRPOModule(pl.LightningModule):
         self._metrics = TrainingMetrics()
         self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
         self._parts = PartsBackward()
-        self._batch_started = 0.0
         self._grad_norm = math.nan
-        self._last_global_step = 0
+        self._exported_at_step: int | None = None  # on_train_end's export, for on_fit_end
 
     # ------------------------------------------------------------------------- models
     def configure_model(self) -> None:
@@ -301,36 +297,12 @@ class GRPOModule(pl.LightningModule):
             return
         for prefix, window in windows.items():
             metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
-            self._log_to_loggers(metrics)
+            log_metrics(self.trainer, metrics)
             for name, value in metrics.items():  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
                 self.log(name, value, logger=False, prog_bar=name == prefix + "reward")
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._batch_started = time.perf_counter()
-
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [FlushStepLogs()]  # the logging below, ahead of the checkpoint callbacks (step_logging.py)
-
-    def end_train_batch(self) -> None:
-        """After a micro-batch (``FlushStepLogs``): at an optimizer step's end, log every
-        ``log_every_n_steps`` steps."""
-        if self.trainer.global_step == self._last_global_step:  # still accumulating
-            self._metrics.seconds += time.perf_counter() - self._batch_started
-            return
-        self._last_global_step = self.trainer.global_step
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop:
-            self._log_to_loggers()
-
-    def end_train_epoch(self) -> None:
-        if self._metrics:
-            self._log_to_loggers()
-
-    def _log_to_loggers(self, metrics: dict[str, float] | None = None) -> None:
-        """``metrics`` (default: the training metrics since the last log, TRL's averaging) to every logger."""
-        if metrics is None:
-            metrics = {**self._metrics.flush_log(), "epoch": float(self.current_epoch)}
-        for logger in self.loggers:
-            logger.log_metrics(metrics, step=self.trainer.global_step)
+        return [FlushStepLogs(self._metrics)]  # logs the training metrics, ahead of the checkpoints
 
     # --------------------------------------------------- the end of an optimizer step
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -355,7 +327,7 @@ class GRPOModule(pl.LightningModule):
             loss = float(self._all_reduce(torch.tensor(loss, device=self.device), "sum")) / self.trainer.world_size
         once = {
             "loss": loss,
-            "step_time": self._metrics.seconds + time.perf_counter() - self._batch_started,
+            "step_time": self._metrics.step_seconds(),
             "grad_norm": self._grad_norm,
             "learning_rate": optimizer.param_groups[0]["lr"],
         }
@@ -383,15 +355,9 @@ class GRPOModule(pl.LightningModule):
             total_steps=int(self.trainer.estimated_stepping_batches),
         )
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[LOG_WINDOW_KEY] = self._metrics.state_dict()
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
             drop_quantization_state(checkpoint["state_dict"])
-        if LOG_WINDOW_KEY in checkpoint:
-            self._metrics.load_state_dict(checkpoint[LOG_WINDOW_KEY])
-        self._last_global_step = checkpoint.get("global_step", self._last_global_step)  # the step it resumes in
 
     # ------------------------------------------------------------------------- export
     def on_train_end(self) -> None:
@@ -403,7 +369,7 @@ class GRPOModule(pl.LightningModule):
         """A fit resumed from a checkpoint already at ``max_steps`` runs no training loop, so no
         ``on_train_end``: export the restored weights here (a run killed before its export)."""
         done = 0 < self.trainer.max_steps <= self.trainer.global_step
-        if self.save_final_model and done and getattr(self, "_exported_at_step", None) != self.trainer.global_step:
+        if self.save_final_model and done and self._exported_at_step != self.trainer.global_step:
             self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
 
     def export(self, directory: str) -> None:

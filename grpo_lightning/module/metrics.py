@@ -8,6 +8,7 @@ reduced exactly across ranks (sums and counts, or min/max), one collective per r
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -93,8 +94,9 @@ class TrainingMetrics:
       (spec §4: generation metrics once per generation batch, loss metrics once per micro-step,
       ``loss``/``grad_norm``/``step_time``/... once per optimizer step).
 
-    ``loss`` and ``seconds`` accumulate the current step's TRL-scale loss and ``training_step``
-    wall time.
+    ``loss`` and ``seconds`` accumulate the current step's TRL-scale loss and wall time (the
+    finished micro-batches' and the generation's); ``batch_started`` is when the running
+    micro-batch started.
     """
 
     def __init__(self) -> None:
@@ -102,6 +104,11 @@ class TrainingMetrics:
         self._log = MetricsWindow()
         self.loss = 0.0
         self.seconds = 0.0
+        self.batch_started = 0.0
+
+    def step_seconds(self) -> float:
+        """The current step's wall time so far: ``seconds`` plus the running micro-batch's."""
+        return self.seconds + time.perf_counter() - self.batch_started
 
     def add(self, values: dict[str, float]) -> None:
         self._step.add(values)
