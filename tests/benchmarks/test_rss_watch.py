@@ -50,15 +50,12 @@ def test_a_rise_names_the_allocating_function_and_its_phase():
     assert last["rss_mb"] >= peak["rss_mb"] - 64 and any("allocate_and_hold" in f for f in last["stack"])
 
 
-def test_rises_are_kept_per_step_and_the_peak_is_the_maximum():
+def test_rises_are_kept_per_step_and_the_peak_is_the_maximum(monkeypatch):
     watch = rss_watch.RssWatch(interval_s=0.005, step_mb=100, max_rises=3)
     for rss in (1000, 1050, 1120, 1300, 1250, 1500, 1900):
         status = {"rss_mb": float(rss), "anon_mb": rss - 200.0, "file_mb": 200.0, "shmem_mb": 0.0}
-        rss_watch.read_status, saved = (lambda s=status: s), rss_watch.read_status
-        try:
-            watch.sample()
-        finally:
-            rss_watch.read_status = saved
+        monkeypatch.setattr(rss_watch, "read_status", lambda: status)
+        watch.sample()
     assert [r["rss_mb"] for r in watch.rises] == [1000, 1120, 1300]  # each 100 MB above the last kept, 3 at most
     assert watch.peak["rss_mb"] == 1900
 

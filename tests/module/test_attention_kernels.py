@@ -190,31 +190,12 @@ def test_plain_sdpa_calls_pass_through_the_dispatch_unchanged():
 
 
 def test_cli_parses_the_kernel_and_auto_chunks(tmp_path):
-    import yaml
+    from tests.module.test_module_forward_options import forward_options_from_cli
 
-    from grpo_lightning import cli
-    from tests.helpers import make_model_dir, write_prompts
-
-    config = {
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"), "logger": False},
-        "model": {"model": make_model_dir(tmp_path / "model"), "save_final_model": False,
-                  "forward": {"attention_kernel": "flex", "lm_head_chunk_tokens": "auto"}},
-        "data": {"dataset": write_prompts(tmp_path / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
-                 "num_generations": 2, "per_device_train_batch_size": 4, "generation": {"max_completion_length": 4}},
-    }
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(config))
-    parsed = cli.GRPOLightningCLI(
-        cli.GRPOModule, cli.RolloutDataModule, trainer_defaults=cli.TRAINER_DEFAULTS, save_config_callback=None,
-        args=["--config", str(path), "--model.forward.lm_head_chunk_tokens", "512"], run=False,
-        auto_configure_optimizers=False,
-    )
-    assert parsed.model.forward_options == ForwardOptions(attention_kernel="flex", lm_head_chunk_tokens=512)
-    parsed = cli.GRPOLightningCLI(
-        cli.GRPOModule, cli.RolloutDataModule, trainer_defaults=cli.TRAINER_DEFAULTS, save_config_callback=None,
-        args=["--config", str(path)], run=False, auto_configure_optimizers=False,
-    )
-    assert parsed.model.forward_options.lm_head_chunk_tokens == "auto"
+    forward = {"attention_kernel": "flex", "lm_head_chunk_tokens": "auto"}
+    options = forward_options_from_cli(tmp_path, forward, "--model.forward.lm_head_chunk_tokens", "512")
+    assert options == ForwardOptions(attention_kernel="flex", lm_head_chunk_tokens=512)
+    assert forward_options_from_cli(tmp_path, forward).lm_head_chunk_tokens == "auto"
 
 
 def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False,

@@ -64,14 +64,15 @@ def test_default_options_and_rollout_logprobs_pass_them(model_dir, monkeypatch):
         assert_close_f32(got[mask], want.logps[mask], reduction_size=want.values_size, scale=want.logit_scale)
 
 
-def test_cli_sets_forward_options(tmp_path):
+def forward_options_from_cli(tmp_path, forward: dict, *args: str) -> ForwardOptions:
+    """The module's ``forward_options`` after ``grpo fit`` parses a config with ``model.forward:
+    <forward>`` and the extra command-line ``args`` (nothing is trained)."""
     from grpo_lightning import cli
 
     config = {
         "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"),
                     "enable_progress_bar": False, "logger": False},
-        "model": {"model": make_model_dir(tmp_path / "model"), "save_final_model": False,
-                  "forward": {"padding_free": False, "lm_head_chunk_tokens": 64}},
+        "model": {"model": make_model_dir(tmp_path / "model"), "save_final_model": False, "forward": forward},
         "data": {"dataset": write_prompts(tmp_path / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
                  "num_generations": 2, "per_device_train_batch_size": 4,
                  "generation": {"max_completion_length": 4}},
@@ -80,8 +81,12 @@ def test_cli_sets_forward_options(tmp_path):
     path.write_text(yaml.safe_dump(config))
     parsed = cli.GRPOLightningCLI(
         cli.GRPOModule, cli.RolloutDataModule, trainer_defaults=cli.TRAINER_DEFAULTS, save_config_callback=None,
-        args=["--config", str(path), "--model.forward.logprob_token_budget", "128"], run=False,
-        auto_configure_optimizers=False,
+        args=["--config", str(path), *args], run=False, auto_configure_optimizers=False,
     )
-    options = parsed.model.forward_options
+    return parsed.model.forward_options
+
+
+def test_cli_sets_forward_options(tmp_path):
+    options = forward_options_from_cli(tmp_path, {"padding_free": False, "lm_head_chunk_tokens": 64},
+                                       "--model.forward.logprob_token_budget", "128")
     assert options == ForwardOptions(padding_free=False, lm_head_chunk_tokens=64, logprob_token_budget=128)

@@ -86,6 +86,25 @@ EXAMPLES: dict[int, Example] = {
 }
 
 
+def split_top_level(text: str) -> list[str]:
+    """``text`` split on the commas outside brackets (a signature's parameters).
+
+    >>> split_top_level("a: int = 1, b: dict = {'x': 1, 'y': 2}, c=f(1, 2)")
+    ['a: int = 1', " b: dict = {'x': 1, 'y': 2}", ' c=f(1, 2)']
+    """
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
 def seed_blocks() -> list[str]:
     if not SEED_DOC.is_file():
         pytest.skip(f"the seed document is not at {SEED_DOC}: set GRPO_SEED_DOC to its path")

@@ -21,6 +21,7 @@ from grpo_lightning.trl_compat.field_map import (
     FIELD_TO_YAML, NOT_APPLICABLE, PENDING, not_applicable_reason, pending_key, yaml_key,
 )
 from grpo_lightning.trl_compat.training_arguments import TrainingArgumentsFields
+from tests.trl_compat.seed_examples import split_top_level
 
 REPO = Path(__file__).resolve().parents[2]
 SEED_DOC = Path(os.environ.get("GRPO_SEED_DOC", REPO.parent / "shared/reference/seed/000_0c41d8174bca6920.txt"))
@@ -42,16 +43,7 @@ def seed_signature() -> dict[str, str]:
         pytest.skip(f"the seed document is not at {SEED_DOC}: set GRPO_SEED_DOC to its path")
     match = re.search(r"^trl\.GRPOConfig\((.*)\)$", SEED_DOC.read_text(), re.M)
     assert match, "the seed's GRPOConfig signature line was not found"
-    params, depth, current = [], 0, ""
-    for ch in match.group(1):  # split on the commas outside brackets
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            params.append(current)
-            current = ""
-        else:
-            current += ch
-    params.append(current)
+    params = split_top_level(match.group(1))
     return {p.split(":", 1)[0].strip(): p.rpartition(" = ")[2].strip() for p in params}
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from grpo_lightning import GRPOConfig, GRPOTrainer, config_to_yaml
 from grpo_lightning.trl_compat import config as config_module
-from tests.trl_compat.seed_examples import EXAMPLES, adapted, seed_blocks
+from tests.trl_compat.seed_examples import EXAMPLES, adapted, seed_blocks, split_top_level
 
 
 @pytest.fixture(scope="module")
@@ -264,17 +264,7 @@ def test_multi_node_script(tiny_model, short_runs, monkeypatch):
 # ---------------------------------------------------------------------------- signatures
 def _seed_parameters(index: int) -> list[str]:
     text = seed_blocks()[index].strip()
-    inner = text[text.index("(") + 1: text.rindex(")")]
-    names, depth, current = [], 0, ""
-    for ch in inner:
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            names.append(current)
-            current = ""
-        else:
-            current += ch
-    names.append(current)
+    names = split_top_level(text[text.index("(") + 1: text.rindex(")")])
     return [n.split(":")[0].split("=")[0].strip() for n in names if n.strip()]
 
 
