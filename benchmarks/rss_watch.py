@@ -12,7 +12,7 @@ thread at that moment: the line that was allocating. The peak itself is kept the
     watch = RssWatch().start()
     watch.phase = "generation"
     ...
-    report = watch.stop()      # {"peak": {...}, "rises": [{...}, ...], "samples": n}
+    report = watch.stop()      # {"peak": {...}, "rises": [{...}, ...], "max_rss_mb": x, "samples": n}
 
 Sampling costs one small file read per interval (20 ms by default): nothing a step would notice.
 A rise shorter than the interval can be missed; the per-phase ``ru_maxrss`` values catch those.
@@ -68,10 +68,16 @@ class RssWatch:
         step_mb: A new rise is kept when the RSS passes the last kept one by this much.
         frames: Innermost frames of the main thread kept with each rise.
         max_rises: Rises kept (the first ones: the growth, not its noise); the peak is always kept.
+        noise_mb: The peak's record (its stack) moves only when the RSS passes it by more than this:
+            the pages a process touches after its big allocation returned must not credit the
+            peak to whatever code runs then. ``max_rss_mb`` in the report is the exact maximum.
     """
 
-    def __init__(self, interval_s: float = 0.02, step_mb: float = 256.0, frames: int = 14, max_rises: int = 40) -> None:
+    def __init__(self, interval_s: float = 0.02, step_mb: float = 256.0, frames: int = 14, max_rises: int = 40,
+                 noise_mb: float = 16.0) -> None:
         self.interval_s, self.step_mb, self.frames, self.max_rises = interval_s, step_mb, frames, max_rises
+        self.noise_mb = noise_mb
+        self.max_rss_mb = 0.0
         self.phase = "startup"
         self.rises: list[dict] = []
         self.peak: dict | None = None
@@ -88,13 +94,14 @@ class RssWatch:
         return self
 
     def stop(self) -> dict:
-        """Stops sampling; returns ``{"available", "samples", "peak", "rises"}``."""
+        """Stops sampling; returns ``{"available", "samples", "max_rss_mb", "peak", "rises"}``."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval_s + 1)
         if self.peak is None:  # a run shorter than one interval: one reading (the stack is stop()'s)
             self.sample()
-        return {"available": self.peak is not None, "samples": self.samples, "peak": self.peak, "rises": self.rises}
+        return {"available": self.peak is not None, "samples": self.samples, "max_rss_mb": self.max_rss_mb,
+                "peak": self.peak, "rises": self.rises}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -107,7 +114,8 @@ class RssWatch:
             return
         self.samples += 1
         rss = status["rss_mb"]
-        if self.peak is not None and rss <= self.peak["rss_mb"]:
+        self.max_rss_mb = max(self.max_rss_mb, rss)
+        if self.peak is not None and rss <= self.peak["rss_mb"] + self.noise_mb:
             return
         record = self._record(status)
         self.peak = record
