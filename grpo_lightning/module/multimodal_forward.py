@@ -12,8 +12,9 @@ batches, each with a log line the first time (explicit fallback):
 * the chunked LM head (``chunked_lm_head``) is kept for the architectures in
   :data:`CHUNKED_HEAD_MODEL_TYPES`: the model runs with ``output_hidden_states`` and its own head on
   one position, and the real completion positions' final hidden states go through the LM head in
-  chunks (:func:`~grpo_lightning.algo.chunked_logprobs.chunked_head_logprobs`). Other models get
-  the full logits of the completion positions (``logits_to_keep = T + 1``), with a log line.
+  chunks (:func:`~grpo_lightning.algo.chunked_logprobs.chunked_head_logprobs`). Other models (and
+  those with a final logit soft-cap) get the full logits of the completion positions
+  (``logits_to_keep = T + 1``), with a log line.
 * ``logprob_token_budget`` is honoured: rows are grouped by tokens and each group takes its own
   rows' inputs.
 """
@@ -39,8 +40,12 @@ from grpo_lightning.types import RowInputs
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 # ``config.model_type`` of vision-language models whose logits are ``lm_head(h)`` of the language
-# model's final (post-norm) hidden state ``h``, with no scale or soft-capping (transformers 5.24).
-CHUNKED_HEAD_MODEL_TYPES: set[str] = {"qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm"}
+# model's final (post-norm) hidden state ``h``, with no scale or soft-capping (transformers 5.17-5.24;
+# each is checked against the model's own logits in tests/vlm). A model whose text config sets
+# ``final_logit_softcapping`` keeps the model's logits.
+CHUNKED_HEAD_MODEL_TYPES: set[str] = {
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3", "llava_next",
+}
 
 
 def _log_once(message: str) -> None:
@@ -88,8 +93,10 @@ def multimodal_logprobs(
         _log_once("Rows with images: padding-free packing and prompt sharing are off for them; using the padded "
                   "forward with the pixel inputs.")
     if options.chunked_lm_head and head is None:
-        _log_once(f"Rows with images: chunked LM head off for model type {_model_type(model)!r} (not in "
-                  "grpo_lightning.module.multimodal_forward.CHUNKED_HEAD_MODEL_TYPES); using the model's logits.")
+        why = ("its text config sets final_logit_softcapping" if _model_type(model) in CHUNKED_HEAD_MODEL_TYPES
+               else "not in grpo_lightning.module.multimodal_forward.CHUNKED_HEAD_MODEL_TYPES")
+        _log_once(f"Rows with images: chunked LM head off for model type {_model_type(model)!r} ({why}); using the "
+                  "model's logits.")
     if options.logprob_token_budget is not None and not torch.is_grad_enabled():
         return _budget_pass(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                             model_inputs, with_entropy, options)
@@ -120,6 +127,10 @@ def _model_type(model: torch.nn.Module) -> str | None:
 def _chunkable_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The LM head when ``model``'s logits are ``head(final hidden state)``, else ``None``."""
     if _model_type(model) not in CHUNKED_HEAD_MODEL_TYPES:
+        return None
+    config = _core(model).config
+    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if getattr(text_config, "final_logit_softcapping", None) is not None:
         return None
     get_head = getattr(_core(model), "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

@@ -1,5 +1,5 @@
-"""A tool returning images to a vision-language policy (tiny Qwen2-VL, processor built offline):
-the tool turn's ids come from the processor with the image tokens expanded, the row's image
+"""A tool returning images to a vision-language policy (tiny Qwen2-VL and Qwen3-VL, processors built
+offline): the tool turn's ids come from the processor with the image tokens expanded, the row's image
 inputs grow (prompt image, then tool image), the next turn's generation receives them, and the
 training forward on the final sequence equals a plain model call on the full ids and pixels."""
 
@@ -79,6 +79,10 @@ def processor(shared_assets):
 
 @pytest.fixture
 def episode(processor):
+    return _episode(processor)
+
+
+def _episode(processor):
     """Row 0: an image prompt whose tool returns an image; row 1: a text prompt, text tool result."""
     tokenizer = load_tokenizer(processor)
     inner = ImageScripted()
@@ -133,8 +137,34 @@ def test_tool_images_are_rendered_by_the_processor_and_feed_the_next_turn(episod
 
 
 def test_training_forward_on_the_final_sequence_sees_the_tool_image(episode, processor):
+    _assert_forward_sees_the_tool_image(episode, qwen2_vl_model)
+
+
+def test_qwen3_vl_tool_images_grow_the_inputs_and_reach_the_forward(shared_assets):
+    """Qwen3-VL (the seed's tool-images family): other patch size (16), interleaved M-RoPE."""
+    from tests.vlm.tiny_vlm import qwen3_vl_model, qwen3_vl_processor
+
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    processor = qwen3_vl_processor(folder)
+    episode = _episode(processor)
+    row = episode[4][0]
+    inputs = row.model_inputs
+    grids = inputs.rows["image_grid_thw"][0]
+    assert len(grids) == 2 and inputs.rows["pixel_values"][0].shape[0] == int(grids.prod(-1).sum())  # prompt + tool
+    types = torch.cat([inputs.rows["mm_token_type_ids"][0], inputs.completion_rows["mm_token_type_ids"][0]])
+    full = torch.tensor(list(row.prompt_ids) + row.completion_ids)
+    assert types.tolist() == (full == processor.image_token_id).long().tolist()
+    assert int(types[len(row.prompt_ids):].sum()) == int(grids[1].prod()) // 4  # the tool image's tokens (2x2 merge)
+    _assert_forward_sees_the_tool_image(episode, qwen3_vl_model)
+
+
+def _assert_forward_sees_the_tool_image(episode, build_model):
+    """The batch's forward of row 0 equals a plain model call on its full ids and pixels, and the
+    answer after the tool image depends on the pixels."""
     _, _, tokenizer, _, rollouts = episode
-    model = qwen2_vl_model(tokenizer).double().eval()
+    model = build_model(tokenizer).double().eval()
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = pad_sequences([r.prompt_ids for r in rollouts], value=pad, side="left")
     completion_ids, completion_mask = pad_sequences([r.completion_ids for r in rollouts], value=pad, side="right")
