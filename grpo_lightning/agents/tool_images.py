@@ -35,12 +35,16 @@ _FLAT_IMAGE_MARKER = "image_grid_thw"
 class ContextPrompt(list):
     """Token ids (``list[int]``) with the image inputs of the images among them, in the per-row
     form :func:`~grpo_lightning.samplers.hf_common.image_inputs` reads (``model_inputs``, token
-    fields over all the ids: ``token_fields``), like a dataset's image prompt."""
+    fields over all the ids: ``token_fields``), and the raw ``images`` in the order of their
+    tokens (what the vLLM samplers send, for the engine's processor to expand), like a dataset's
+    image prompt."""
 
-    def __init__(self, ids: Sequence[int], model_inputs: dict[str, torch.Tensor], token_fields: tuple[str, ...] = ()):
+    def __init__(self, ids: Sequence[int], model_inputs: dict[str, torch.Tensor], token_fields: tuple[str, ...] = (),
+                 images: Sequence[Any] = ()):
         super().__init__(ids)
         self.model_inputs = model_inputs
         self.token_fields = token_fields
+        self.images = list(images)
 
 
 @dataclass
@@ -121,11 +125,12 @@ class RowImages:
                 out[name][offset : offset + n] = values[:n]
         return out
 
-    def context(self, prompt_ids: list[int], completion_ids: list[int]) -> ContextPrompt:
-        """Prompt + completion so far as one generation prompt with every image's inputs."""
+    def context(self, prompt_ids: list[int], completion_ids: list[int], images: Sequence[Any] = ()) -> ContextPrompt:
+        """Prompt + completion so far as one generation prompt with every image's inputs and the
+        raw ``images`` (prompt's, then the tool turns', as their tokens come)."""
         completion = self.completion_tokens(len(completion_ids))
         tokens = {k: torch.cat([v, completion[k]]) for k, v in self.prompt_tokens.items()}
-        return ContextPrompt(prompt_ids + completion_ids, {**self.inputs, **tokens}, self.token_fields)
+        return ContextPrompt(prompt_ids + completion_ids, {**self.inputs, **tokens}, self.token_fields, images)
 
     def row_inputs(self, completion_length: int) -> RowInputs:
         """The rollout's one-row :class:`~grpo_lightning.types.RowInputs` (token fields over the

@@ -221,7 +221,8 @@ class AgentSampler(Sampler):
         if not getattr(self.inner, "supports_images", False):
             raise ConfigError(
                 f"a tool returned images for a vision-language policy, but the sampler {type(self.inner).__name__} "
-                "does not take image inputs, so the next turn could not see them: use data.sampler: hf_generate."
+                "does not take image inputs, so the next turn could not see them: use data.sampler: hf_generate, "
+                "vllm_colocate or vllm_server."
             )
         try:
             turn = image_tool_turn(template, processor, messages, names)
@@ -236,7 +237,9 @@ class AgentSampler(Sampler):
         like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
         if like is None:
             return [e.context_ids for e in episodes]
-        return [e.images_or_empty(like).context(e.prompt_ids, e.completion_ids) for e in episodes]  # type: ignore[union-attr]
+        return [e.images_or_empty(like).context(e.prompt_ids, e.completion_ids,  # type: ignore[union-attr]
+                                                e.all_images if e.image_inputs is not None else [])
+                for e in episodes]
 
     def _note_images(self, episode: Episode) -> None:
         if episode.images and not self._warned_images:

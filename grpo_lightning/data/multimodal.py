@@ -18,11 +18,10 @@ import torch
 
 from grpo_lightning.data.prompt_format import tokenize_prompt
 from grpo_lightning.types import Rollout, RowInputs
+from grpo_lightning.utils.processor_outputs import split_processor_outputs
 
 #: Dataset columns that hold a row's images (TRL: ``image`` one image, ``images`` a list).
 IMAGE_COLUMNS = ("image", "images")
-# Processor outputs the batch already has as prompt_ids / prompt_mask.
-_TEXT_FIELDS = ("input_ids", "attention_mask")
 
 
 class MultimodalPrompt(list):
@@ -132,17 +131,8 @@ def encode_multimodal_prompt(
                                   "continue_final_message": continue_final, "tokenize": False}
         kwargs.update(chat_template_kwargs or {})
         text = processor.apply_chat_template(messages, **kwargs)
-    encoded = processor(text=[text], images=[images], return_tensors="pt")
-    ids = encoded["input_ids"]  # (1, Lp)
-    inputs, token_fields = {}, []
-    for name, value in encoded.items():
-        if name in _TEXT_FIELDS or not isinstance(value, torch.Tensor):
-            continue
-        if value.shape == ids.shape:  # aligned with the prompt tokens
-            inputs[name], token_fields = value[0], [*token_fields, name]
-        else:
-            inputs[name] = value
-    return MultimodalPrompt(ids[0].tolist(), inputs, tuple(token_fields), images)
+    ids, inputs, token_fields = split_processor_outputs(processor(text=[text], images=[images], return_tensors="pt"))
+    return MultimodalPrompt(ids, inputs, token_fields, images)
 
 
 def encode_row_prompt(
@@ -168,7 +158,7 @@ def check_sampler_images(sampler: Any, prompts: Sequence[Any]) -> None:
     if any(isinstance(p, MultimodalPrompt) for p in prompts) and not getattr(sampler, "supports_images", False):
         raise ValueError(
             f"the prompts have images but the sampler {type(sampler).__name__} does not take image inputs; "
-            "use data.sampler: hf_generate or vllm_colocate for vision-language models."
+            "use data.sampler: hf_generate, vllm_colocate or vllm_server for vision-language models."
         )
 
 

@@ -303,7 +303,8 @@ class VLLMColocateSampler(Sampler):
         if self.verify_weights:
             probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
             probe.verify(handle, self._engine_logprobs, version=version,
-                         differing_parameter=lambda: self._differing_parameter(handle))
+                         differing_parameter=lambda: self._differing_parameter(handle),
+                         engine_image_logprobs=lambda ids, images: self._engine_logprobs(ids, images, handle))
 
     def _load(self, handle: PolicyHandle) -> None:
         on_cpu = str(self.llm.llm_engine.vllm_config.device_config.device_type) == "cpu"
@@ -316,11 +317,19 @@ class VLLMColocateSampler(Sampler):
 
             self.llm.collective_rpc(load)
 
-    def _engine_logprobs(self, token_ids: list[int]) -> list[float]:
+    def _engine_logprobs(self, token_ids: list[int], images: list[Any] | None = None,
+                         handle: PolicyHandle | None = None) -> list[float]:
+        """The engine's log-probs of ``token_ids[1:]`` (with ``images``: ids as the trainer's
+        processor expanded them, sent with one placeholder per image and the raw images)."""
         from vllm.inputs import TokensPrompt
 
         probe = sampling_params(GenerationParams(max_completion_length=1), logprobs=None, prompt_logprobs=0)
-        output = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], probe, use_tqdm=False)[0]
+        prompt = (engine_prompt(token_ids, images, image_token_id(handle)) if images and handle is not None
+                  else TokensPrompt(prompt_token_ids=token_ids))
+        output = self.llm.generate([prompt], probe, use_tqdm=False)[0]
+        if list(output.prompt_token_ids) != token_ids:
+            raise WeightSyncError("The engine expanded the weight probe's image placeholders differently from the "
+                                  "trainer's processor: its log-probs cannot be compared.")
         return [output.prompt_logprobs[i][token_ids[i]].logprob for i in range(1, len(token_ids))]
 
     def _differing_parameter(self, handle: PolicyHandle) -> str | None:

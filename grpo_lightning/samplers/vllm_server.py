@@ -18,7 +18,7 @@ import torch
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
-    distributed_rank_and_world, policy_weight_shapes, policy_weights, sampling_fields,
+    distributed_rank_and_world, engine_prompt, image_token_id, policy_weight_shapes, policy_weights, sampling_fields,
 )
 from grpo_lightning.samplers.vllm_server_client import VLLMServerClient, VLLMServerError
 from grpo_lightning.samplers.vllm_weight_senders import SENDERS
@@ -42,6 +42,11 @@ class VLLMServerSampler(Sampler):
     ``logprobs_mode`` and context length, and opens the weight transfer. Every rank sends its own
     prompts as token ids (``/v1/completions``) and pairs each returned choice with the prompt it
     asked for; trainer rank 0 pushes the weights, every rank takes part in gathering them.
+
+    Image prompts (vision-language policies) go to vLLM's tokens-in/tokens-out route
+    (``/inference/v1/generate``; start the server with ``--enable-scale-out`` too): the ids with one
+    placeholder per image and the images as PNG ``data:`` URLs, which the server's processor
+    expands; the expanded ids it returns must be the trainer's, or the batch is refused.
 
     Args:
         base_url: Server URL (``http://host:port``); overrides ``host``/``port`` (TRL
@@ -71,6 +76,8 @@ class VLLMServerSampler(Sampler):
     name = "vllm_server"
     provides_logprobs = True
     keeps_own_weights = True
+    #: Image prompts are sent with their images (``/inference/v1/generate``), see docs/vlm.md.
+    supports_images = True
 
     def __init__(
         self,
@@ -178,9 +185,19 @@ class VLLMServerSampler(Sampler):
         # One request per prompt, each with its own seed: a seed shared by a request's prompts
         # would give similar prompts the same random stream (correlated completions).
         seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
+        images = [list(getattr(p, "images", None) or []) for p in prompts]
+        image_token = image_token_id(handle) if any(images) else None
+
+        def request(job: tuple[list[int], list[Any], int]) -> list[dict[str, Any]]:
+            ids, row_images, seed = job
+            if not row_images:
+                return client.completions([ids], n=num_generations, seed=seed, **fields)
+            return _image_choices(client.generate_with_images(
+                engine_prompt(ids, row_images, image_token)["prompt_token_ids"], [_data_url(i) for i in row_images],
+                n=num_generations, seed=seed, **fields))
+
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent_requests, len(rows)))) as pool:
-            answers = list(pool.map(lambda job: client.completions([job[0]], n=num_generations, seed=job[1], **fields),
-                                    zip(rows, seeds)))
+            answers = list(pool.map(request, zip(rows, images, seeds)))
         stop = set(handle.eos_token_ids)
         rollouts = []
         for row, (prompt, choices) in enumerate(zip(rows, answers)):
@@ -190,7 +207,8 @@ class VLLMServerSampler(Sampler):
             for choice in choices:
                 if list(choice.get("prompt_token_ids") or []) != prompt:
                     raise VLLMServerError(f"A completion returned for prompt row {row} was generated for another "
-                                          "prompt: refusing to pair it with the wrong rollout.")
+                                          "prompt (or the server expanded its image placeholders differently from "
+                                          "the trainer's processor): refusing to pair it with the wrong rollout.")
                 logprobs = choice["logprobs"]["token_logprobs"]
                 rollouts.append(completion_rollout(prompt, choice["token_ids"], stop, version, logprobs))
         return rollouts
@@ -222,6 +240,8 @@ class VLLMServerSampler(Sampler):
             with policy_weights(handle) as weights:
                 self.sender.send(client, shapes, lambda: weights, str(version))
             client.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys/values
+            if image_token_id(handle) is not None:  # a VLM: image embeddings of the old vision tower
+                client.reset_encoder_cache()
         finally:
             client.resume()
         served = client.weight_version()
@@ -229,7 +249,11 @@ class VLLMServerSampler(Sampler):
             raise WeightSyncError(f"After pushing policy version {version} the server reports weight version {served!r}.")
         if self.verify_weights:
             probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
-            probe.verify(handle, client.prompt_logprobs, version=version)
+            image_token = image_token_id(handle)
+            probe.verify(handle, client.prompt_logprobs, version=version,
+                         engine_image_logprobs=lambda ids, images: client.prompt_logprobs(
+                             engine_prompt(ids, images, image_token)["prompt_token_ids"], [_data_url(i) for i in images],
+                             expanded=ids))
         self._served_version = version
         self.last_push_seconds = time.perf_counter() - start
         log.info("Pushed policy version %d to %s in %.2f s", version, self.base_url, self.last_push_seconds)
@@ -241,7 +265,7 @@ class VLLMServerSampler(Sampler):
             for _ in weights:
                 pass
         if self.verify_weights:
-            WeightProbe.for_handle(handle, self.engine_dtype).trainer_logprobs(handle)
+            WeightProbe.for_handle(handle, self.engine_dtype).run_trainer_forwards(handle)
         self._served_version = None
 
     def _sender(self) -> Any:
@@ -250,6 +274,31 @@ class VLLMServerSampler(Sampler):
             timeout = self.sync_timeout_s or self.request_timeout_s
             return SENDERS["gloo"](address, self.group_port, timeout, self.chunk_bytes)
         return SENDERS["nccl"](address, self.group_port)
+
+def _data_url(image: Any) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URL (lossless: the server sees the trainer's pixels)."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _image_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The choices of a ``/inference/v1/generate`` response in ``/v1/completions``' shape: each with
+    the (expanded) ``prompt_token_ids``, its ``token_ids`` and ``logprobs.token_logprobs``."""
+    prompt = response.get("prompt_token_ids")
+    out = []
+    for choice in response["choices"]:
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(choice["token_ids"]):
+            raise VLLMServerError(f"/inference/v1/generate returned {len(content)} log-probs for "
+                                  f"{len(choice['token_ids'])} tokens: the sampling correction needs one per token.")
+        out.append({"prompt_token_ids": prompt, "token_ids": choice["token_ids"],
+                    "logprobs": {"token_logprobs": [float(entry["logprob"]) for entry in content]}})
+    return out
+
 
 def _route_address(base_url: str) -> str:
     """This host's address on the route to the server (what the server's workers connect back to)."""

@@ -1,5 +1,5 @@
-"""HTTP client of a ``vllm serve`` process: health, configuration, completions by token ids, and
-vLLM's native weight-update routes.
+"""HTTP client of a ``vllm serve`` process: health, configuration, completions by token ids (with
+images: the tokens-in/tokens-out route), and vLLM's native weight-update routes.
 
 Layer L2, no vLLM import: a trainer talking to a remote server needs only ``requests`` (its
 ``update_*`` methods also make it a ``VLLMWeightSyncClient`` for vLLM's own trainer-side engines).
@@ -128,11 +128,43 @@ class VLLMServerClient:
                 **fields}
         return self.request("POST", "/v1/completions", json=body, retry=False)["choices"]
 
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
-        """The served model's log-probs of ``token_ids[1:]`` given their prefixes."""
-        choice = self.completions([token_ids], max_tokens=1, prompt_logprobs=0, temperature=1.0, n=1)[0]
-        entries = choice["prompt_logprobs"]
-        return [float(entries[i][str(int(token_ids[i]))]["logprob"]) for i in range(1, len(token_ids))]
+    def generate_with_images(self, token_ids: Sequence[int], image_urls: Sequence[str], **fields: Any) -> dict[str, Any]:
+        """``POST /inference/v1/generate`` (vLLM's tokens-in/tokens-out route): ``token_ids`` with
+        one image placeholder per image, the images as ``content_parts`` (``data:`` URLs) that the
+        server's processor expands, ``fields`` as its ``sampling_params``. Returns the response:
+        ``prompt_token_ids`` (expanded) and ``choices`` (``token_ids``, ``logprobs.content``).
+
+        Raises:
+            VLLMServerError: naming ``--enable-scale-out`` when the server has the route disabled.
+        """
+        body = {"model": self.model, "token_ids": list(map(int, token_ids)), "return_token_ids": True,
+                "content_parts": [{"type": "image_url", "url": url} for url in image_urls], "sampling_params": fields}
+        try:
+            return self.request("POST", "/inference/v1/generate", json=body, retry=False)
+        except VLLMServerError as err:
+            if "HTTP 403" in str(err) or ": 404." in str(err):
+                raise VLLMServerError(
+                    f"The vLLM server at {self.base_url} does not serve /inference/v1/generate, the route that takes "
+                    "image prompts as token ids: restart it with --enable-scale-out (vLLM >= 0.32).") from err
+            raise
+
+    def prompt_logprobs(self, token_ids: Sequence[int], image_urls: Sequence[str] = (),
+                        expanded: Sequence[int] | None = None) -> list[float]:
+        """The served model's log-probs of ``token_ids[1:]`` given their prefixes. With
+        ``image_urls``, ``token_ids`` hold one placeholder per image and ``expanded`` is what the
+        server's processor must expand them to (the ids the log-probs are of)."""
+        fields = dict(max_tokens=1, prompt_logprobs=0, temperature=1.0, n=1)
+        if not image_urls:
+            entries = self.completions([token_ids], **fields)[0]["prompt_logprobs"]
+            ids = list(token_ids)
+        else:
+            response = self.generate_with_images(token_ids, image_urls, **fields)
+            ids = list(response.get("prompt_token_ids") or [])
+            if ids != list(expanded or []):
+                raise VLLMServerError("The server expanded the image placeholders differently from the trainer's "
+                                      "processor: its log-probs cannot be compared.")
+            entries = response["prompt_logprobs"]
+        return [float(entries[i][str(int(ids[i]))]["logprob"]) for i in range(1, len(ids))]
 
     # ------------------------------------------------------------------ weight updates (native routes)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -157,6 +189,10 @@ class VLLMServerClient:
     def reset_prefix_cache(self) -> None:
         """Drop cached prompt blocks: they hold keys/values of the previous weights."""
         self.request("POST", "/reset_prefix_cache")
+
+    def reset_encoder_cache(self) -> None:
+        """Drop cached image embeddings: the vision tower that made them has new weights."""
+        self.request("POST", "/reset_encoder_cache")
 
     def close(self) -> None:
         for session in self._sessions:

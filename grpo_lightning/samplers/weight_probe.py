@@ -24,6 +24,13 @@ coarser of the engine's and the policy's dtypes:
   (``served_version``) is what catches a skipped push. Pass ``tolerance`` to set your own.
 
 ``SAFETY = 8`` as in the tests' numerics.
+
+**Vision-language policies.** The token sequence reaches the language model only, so a vision
+tower the engine did not receive would pass it. When the policy's tokenizer carries a processor,
+the probe also has an :class:`ImageProbe`: one user turn with a fixed synthetic image, encoded by
+that processor, whose log-probs after the image depend on the vision tower and projector; the
+engine computes them from the ids (one placeholder per image) and the raw image, with the same
+tolerance.
 """
 
 from __future__ import annotations
@@ -92,6 +99,64 @@ def probe_tolerance(dtype: torch.dtype, scale: float, hidden_size: int) -> float
     return SAFETY * eps * scale
 
 
+#: The probe image's size (width, height): small enough for any processor's pixel budget.
+PROBE_IMAGE_SIZE = (64, 48)
+
+
+def probe_image() -> Any:
+    """A fixed RGB image with structure in both directions (three gradients), the same every run."""
+    from PIL import Image
+
+    ramp = Image.linear_gradient("L").resize(PROBE_IMAGE_SIZE)
+    return Image.merge("RGB", (ramp, ramp.transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+                               ramp.transpose(Image.Transpose.ROTATE_180)))
+
+
+@dataclass(frozen=True)
+class ImageProbe:
+    """The image half of a vision-language policy's probe: ``token_ids`` (the processor's
+    expansion), the processor's other outputs in per-row form (``model_inputs``, token-aligned ones
+    ``(L,)`` named by ``token_fields``) and the raw ``image`` for the engine."""
+
+    token_ids: list[int]
+    model_inputs: dict[str, torch.Tensor]
+    token_fields: tuple[str, ...]
+    image: Any
+
+    @classmethod
+    def for_processor(cls, processor: Any) -> "ImageProbe | None":
+        """The probe of ``processor``'s model (``None`` for no processor). A user turn with the image
+        and a question, through the processor's chat template (else its image token and the question)."""
+        if processor is None:
+            return None
+        from grpo_lightning.utils.processor_outputs import split_processor_outputs
+
+        question = "Describe the picture."
+        try:
+            text = processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+                add_generation_prompt=True, tokenize=False)
+        except (ValueError, AttributeError, TypeError):  # no chat template
+            token = getattr(processor, "image_token", None)
+            if token is None:
+                return None
+            text = f"{token}{question}"
+        image = probe_image()
+        ids, inputs, fields = split_processor_outputs(processor(text=[text], images=[[image]], return_tensors="pt"))
+        return cls(ids, inputs, fields, image)
+
+    @torch.no_grad()
+    def trainer_logprobs(self, model: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, float]:
+        """``(L-1,)`` float64 log-probs of tokens ``1..L-1`` under ``model`` with the image, and the
+        largest logit magnitude."""
+        ids = torch.tensor([self.token_ids], dtype=torch.long, device=device)  # (1, L)
+        inputs = {k: (v[None] if k in self.token_fields else v).to(device) for k, v in self.model_inputs.items()}
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs).logits[0, :-1]
+        logits = logits.float()  # (L-1, V)
+        logps = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        return logps.double().cpu(), float(logits.abs().max())
+
+
 class WeightProbe:
     """Compares the engine's log-probs of a fixed token sequence with the trainer's.
 
@@ -99,20 +164,24 @@ class WeightProbe:
         token_ids: The probe sequence (see :func:`probe_token_ids`); its first token is context only.
         engine_dtype: The dtype the engine computes in; sets the tolerance with the policy's dtype.
         tolerance: A fixed bound on the largest absolute log-prob difference, instead of the derived one.
+        image: The image half of a vision-language policy's probe (see the module docstring).
     """
 
     def __init__(self, token_ids: Sequence[int], engine_dtype: torch.dtype = torch.float32,
-                 tolerance: float | None = None) -> None:
+                 tolerance: float | None = None, image: ImageProbe | None = None) -> None:
         self.token_ids = [int(i) for i in token_ids]
         self.engine_dtype = engine_dtype
         self.tolerance = tolerance
+        self.image = image
 
     @classmethod
     def for_handle(cls, handle: PolicyHandle, engine_dtype: torch.dtype = torch.float32, length: int = 16,
                    tolerance: float | None = None) -> "WeightProbe":
-        """A probe for ``handle``'s model: ids within both the tokenizer's and the model's vocabulary."""
+        """A probe for ``handle``'s model: ids within both the tokenizer's and the model's vocabulary,
+        and an :class:`ImageProbe` when the tokenizer carries a multimodal processor."""
         vocab = getattr(handle.policy.config, "vocab_size", None) or len(handle.tokenizer)
-        return cls(probe_token_ids(min(vocab, len(handle.tokenizer)), length), engine_dtype, tolerance)
+        image = ImageProbe.for_processor(getattr(handle.tokenizer, "processor", None))
+        return cls(probe_token_ids(min(vocab, len(handle.tokenizer)), length), engine_dtype, tolerance, image)
 
     @torch.no_grad()
     def trainer_logprobs(self, handle: PolicyHandle) -> tuple[torch.Tensor, float]:
@@ -128,7 +197,9 @@ class WeightProbe:
         if self.tolerance is not None:
             return self.tolerance
         policy_dtype = next(handle.policy.parameters()).dtype
-        hidden = int(getattr(handle.policy.config, "hidden_size", 1) or 1)
+        config = handle.policy.config
+        text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        hidden = int(getattr(text_config, "hidden_size", None) or getattr(config, "hidden_size", 1) or 1)  # VLMs: the LM's
         return probe_tolerance(coarser_dtype(self.engine_dtype, policy_dtype), scale, hidden)
 
     def compare(self, engine_logprobs: Sequence[float], trainer_logprobs: torch.Tensor, tolerance: float) -> ProbeReport:
@@ -142,8 +213,16 @@ class WeightProbe:
         worst = int(diff.argmax())
         return ProbeReport(float(diff[worst]), worst + 1, tolerance, float(engine[worst]), float(trainer_logprobs[worst]))
 
+    def run_trainer_forwards(self, handle: PolicyHandle) -> None:
+        """The trainer's probe forwards alone (ranks that do not compare still take part in the
+        collectives of a sharded forward)."""
+        self.trainer_logprobs(handle)
+        if self.image is not None:
+            self.image.trainer_logprobs(handle.policy, handle.device)
+
     def verify(self, handle: PolicyHandle, engine_logprobs: Callable[[list[int]], Sequence[float]], *,
-               version: int | None = None, differing_parameter: Callable[[], str | None] | None = None) -> ProbeReport:
+               version: int | None = None, differing_parameter: Callable[[], str | None] | None = None,
+               engine_image_logprobs: Callable[[list[int], list[Any]], Sequence[float]] | None = None) -> ProbeReport:
         """Raise :class:`WeightSyncError` unless the engine's probe log-probs match the policy's.
 
         Args:
@@ -152,19 +231,38 @@ class WeightProbe:
             version: The pushed policy version, for the message.
             differing_parameter: Called only on a mismatch: the name of the first parameter whose
                 engine copy differs from the policy's (or None), for the message.
+            engine_image_logprobs: Given the image probe's expanded ids and its images, the
+                engine's log-probs of tokens ``1..L-1``; checked when the probe has an image.
+
+        Returns:
+            The token sequence's report (the image probe's, when it is the worse of the two).
         """
         trainer, scale = self.trainer_logprobs(handle)
         report = self.compare(engine_logprobs(list(self.token_ids)), trainer, self.bound(handle, scale))
-        if not report.ok:
-            culprit = differing_parameter() if differing_parameter is not None else None
-            where = f" First parameter that differs in the engine: {culprit}." if culprit else ""
-            raise WeightSyncError(
-                f"Weight push{'' if version is None else f' of policy version {version}'} not served: the engine's "
-                f"log-prob of probe token {report.position} (id {self.token_ids[report.position]}) is "
-                f"{report.engine_logprob:.6g}, the policy's {report.trainer_logprob:.6g} (max abs diff "
-                f"{report.max_abs_diff:.3g} > tolerance {report.tolerance:.3g}).{where}"
-            )
-        return report
+        self._raise_unless_ok(report, self.token_ids, "probe token", version, differing_parameter, "")
+        if self.image is None or engine_image_logprobs is None:
+            return report
+        trainer, scale = self.image.trainer_logprobs(handle.policy, handle.device)
+        image_report = self.compare(engine_image_logprobs(list(self.image.token_ids), [self.image.image]), trainer,
+                                    self.bound(handle, scale))
+        self._raise_unless_ok(image_report, self.image.token_ids, "image-probe token", version, differing_parameter,
+                              " The text probe matched: the image's tokens and those after them depend on the vision "
+                              "tower and projector.")
+        return max(report, image_report, key=lambda r: r.max_abs_diff / max(r.tolerance, 1e-30))
+
+    @staticmethod
+    def _raise_unless_ok(report: ProbeReport, token_ids: Sequence[int], what: str, version: int | None,
+                         differing_parameter: Callable[[], str | None] | None, hint: str) -> None:
+        if report.ok:
+            return
+        culprit = differing_parameter() if differing_parameter is not None else None
+        where = f" First parameter that differs in the engine: {culprit}." if culprit else ""
+        raise WeightSyncError(
+            f"Weight push{'' if version is None else f' of policy version {version}'} not served: the engine's "
+            f"log-prob of {what} {report.position} (id {token_ids[report.position]}) is "
+            f"{report.engine_logprob:.6g}, the policy's {report.trainer_logprob:.6g} (max abs diff "
+            f"{report.max_abs_diff:.3g} > tolerance {report.tolerance:.3g}).{hint}{where}"
+        )
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -258,6 +356,6 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float | None, what: str) -
 
 
 __all__ = [
-    "Checksum", "FUSED_PARAMETERS", "ProbeReport", "WeightProbe", "WeightSyncError", "checksums",
-    "coarser_dtype", "first_differing_parameter", "probe_token_ids", "probe_tolerance", "run_with_deadline",
+    "Checksum", "FUSED_PARAMETERS", "ImageProbe", "ProbeReport", "WeightProbe", "WeightSyncError", "checksums",
+    "coarser_dtype", "first_differing_parameter", "probe_image", "probe_token_ids", "probe_tolerance", "run_with_deadline",
 ]

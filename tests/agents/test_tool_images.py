@@ -127,6 +127,7 @@ def test_tool_images_are_rendered_by_the_processor_and_feed_the_next_turn(episod
     # The second turn's generate call received the grown inputs with prompt + completion so far.
     second = inner.prompts[1][0]
     assert list(second) == context
+    assert second.images == [PROMPT_IMAGE, TOOL_IMAGE]  # raw, in token order: what a vLLM sampler sends
     torch.testing.assert_close(second.model_inputs["pixel_values"], expected["pixel_values"], rtol=0, atol=0)
     assert second.model_inputs["mm_token_type_ids"].tolist() == expected["mm_token_type_ids"][0].tolist()
     # Row 1 (text prompt, text tool result): text-rendered tool turn, empty image inputs.

@@ -97,3 +97,96 @@ def test_structured_outputs_and_generation_kwargs_reach_the_request():
     sampler.generate([[4]], 1, GenerationParams(max_completion_length=4, generation_kwargs={"presence_penalty": 0.5}))
     fields = sampler.client.requests[0][1]
     assert fields["structured_outputs"] == {"regex": r"\d+"} and fields["presence_penalty"] == 0.5
+
+
+class ImagePrompt(list):
+    """A prompt's ids with images, as a dataset's ``MultimodalPrompt`` carries them."""
+
+    def __init__(self, ids, images):
+        super().__init__(ids)
+        self.images = images
+
+
+class ImageHandle(Handle):
+    class tokenizer:
+        class processor:
+            image_token_id = 9
+
+
+class ImageScriptedClient(ScriptedClient):
+    """Text prompts through ``completions``; image prompts answered by ``answer_images``, which
+    sees the ids sent and the images' URLs."""
+
+    def __init__(self, answer, answer_images):
+        super().__init__(answer)
+        self.answer_images, self.image_requests = answer_images, []
+
+    def generate_with_images(self, token_ids, image_urls, **fields):
+        self.image_requests.append((list(token_ids), list(image_urls), fields))
+        return self.answer_images(token_ids, image_urls, fields)
+
+
+def _image_sampler(answer_images) -> VLLMServerSampler:
+    sampler = _sampler(lambda prompt, fields: [_choice(prompt, [3, 2]) for _ in range(fields["n"])])
+    sampler._handle = ImageHandle()
+    sampler.client = ImageScriptedClient(sampler.client.answer, answer_images)
+    return sampler
+
+
+def _expanded(token_ids, image_tokens=3):
+    """What a server's processor makes of ids with one placeholder (9) per image."""
+    return [t for i in token_ids for t in ([9] * image_tokens if i == 9 else [i])]
+
+
+def test_image_prompts_go_with_their_images_to_the_tokens_route():
+    from tests.vlm.tiny_vlm import color_image
+
+    def answer(token_ids, urls, fields):
+        return {"prompt_token_ids": _expanded(token_ids), "choices": [
+            {"token_ids": [4, 2, 5], "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (4, 2, 5)]}}
+            for _ in range(fields["n"])]}
+
+    sampler = _image_sampler(answer)
+    image = color_image(0, (6, 4))
+    prompts = [ImagePrompt([1, 9, 9, 9, 7], [image]), [1, 7]]  # the trainer's expansion: 3 image tokens
+    rollouts = sampler.generate(prompts, 2, GenerationParams(max_completion_length=4))
+    assert [r.prompt_ids for r in rollouts] == [[1, 9, 9, 9, 7]] * 2 + [[1, 7]] * 2
+    assert rollouts[0].completion_ids == [4, 2] and rollouts[0].sampling_logprobs == [-0.5, -0.5]  # cut after EOS
+    (sent, urls, fields), = sampler.client.image_requests
+    assert sent == [1, 9, 7] and fields["n"] == 2 and fields["logprobs"] == 0  # one placeholder per image
+    assert len(urls) == 1 and urls[0].startswith("data:image/png;base64,")
+    import base64
+    import io
+
+    from PIL import Image
+
+    decoded = Image.open(io.BytesIO(base64.b64decode(urls[0].split(",", 1)[1])))
+    assert decoded.size == (6, 4) and list(decoded.getdata()) == list(image.getdata())  # lossless
+    assert [p for p, _ in sampler.client.requests] == [[[1, 7]]]  # the text prompt: /v1/completions
+
+
+def test_an_image_prompt_expanded_otherwise_by_the_server_is_refused():
+    from tests.vlm.tiny_vlm import color_image
+
+    sampler = _image_sampler(lambda ids, urls, fields: {"prompt_token_ids": _expanded(ids, 2), "choices": [
+        {"token_ids": [2], "logprobs": {"content": [{"token_id": 2, "logprob": -1.0}]}}] * fields["n"]})
+    with pytest.raises(VLLMServerError, match="expanded its image placeholders differently"):
+        sampler.generate([ImagePrompt([1, 9, 9, 9, 7], [color_image(0)])], 1, GenerationParams(max_completion_length=4))
+    missing = _image_sampler(lambda ids, urls, fields: {"prompt_token_ids": _expanded(ids), "choices": [
+        {"token_ids": [4, 2], "logprobs": None}] * fields["n"]})
+    with pytest.raises(VLLMServerError, match="returned 0 log-probs for 2 tokens"):
+        missing.generate([ImagePrompt([1, 9, 9, 9, 7], [color_image(0)])], 1, GenerationParams(max_completion_length=4))
+
+
+def test_a_server_without_the_tokens_route_is_named_with_the_flag(monkeypatch):
+    from grpo_lightning.samplers.vllm_server_client import VLLMServerClient
+
+    client = VLLMServerClient("http://127.0.0.1:1")
+    client._model = "m"
+
+    def forbidden(method, route, **kwargs):
+        raise VLLMServerError(f"{method} http://127.0.0.1:1{route}: HTTP 403: Scale-out endpoints are disabled.")
+
+    monkeypatch.setattr(client, "request", forbidden)
+    with pytest.raises(VLLMServerError, match="restart it with --enable-scale-out"):
+        client.generate_with_images([1, 9], ["data:image/png;base64,"], n=1)

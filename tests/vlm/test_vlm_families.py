@@ -12,17 +12,17 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from grpo_lightning.data.collate import pad_sequences
-from grpo_lightning.data.multimodal import attach_model_inputs, encode_row_prompt, row_inputs_of
+from grpo_lightning.data.multimodal import encode_row_prompt
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.module.forward import completion_logprobs
 from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.model_loading import load_tokenizer
 from grpo_lightning.module.training_forward import rows_logprobs
 from grpo_lightning.samplers import HFGenerateSampler
-from grpo_lightning.types import GenerationParams, Rollout, RolloutBatch
+from grpo_lightning.types import GenerationParams
 from tests.helpers import built
 from tests.vlm import tiny_vlm
+from tests.vlm.test_vlm_forward import _batch  # 2 completions per prompt, temperature 0.7
 from tests.vlm.test_vlm_training import changed_parameters, fit
 
 ATOL = 4e-6  # a float64 model, float32 log-probs (|logp| ~ 12: float32 spacing ~1e-6)
@@ -32,7 +32,6 @@ FAMILIES = {"gemma3": (tiny_vlm.gemma3_processor, tiny_vlm.gemma3_model, "vision
             "qwen3_vl": (tiny_vlm.qwen3_vl_processor, tiny_vlm.qwen3_vl_model, "visual")}
 # Per prompt: its images' sizes; the second prompt has two images of different aspect ratios.
 IMAGES = [[(40, 36)], [(60, 30), (30, 60)], [(64, 64)]]
-COMPLETION_LENGTHS = [3, 5, 1, 4, 2, 5]  # 2 completions per prompt
 GREEDY = GenerationParams(max_completion_length=5, generation_kwargs={"do_sample": False})
 
 
@@ -60,19 +59,6 @@ def _prompts(tokenizer, seed=0):
     return [encode_row_prompt({"prompt": [{"role": "user", "content": f"what is {i}?"}],
                                "images": [tiny_vlm.color_image(seed + 10 * i + j, size) for j, size in enumerate(sizes)]},
                               i, tokenizer) for i, sizes in enumerate(IMAGES)]
-
-
-def _batch(prompts, tokenizer):
-    g = torch.Generator().manual_seed(0)
-    rollouts = [Rollout(list(p), torch.randint(0, 1000, (n,), generator=g).tolist(), True, 0)
-                for p, n in zip([p for p in prompts for _ in range(2)], COMPLETION_LENGTHS)]
-    attach_model_inputs(rollouts, prompts, 2)
-    prompt_ids, prompt_mask = pad_sequences([r.prompt_ids for r in rollouts], value=tokenizer.pad_token_id, side="left")
-    completion_ids, completion_mask = pad_sequences([r.completion_ids for r in rollouts], value=tokenizer.pad_token_id,
-                                                    side="right")
-    n = len(rollouts)
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(n), torch.tensor(0.0),
-                        torch.zeros(n, dtype=torch.long), temperature=0.7, model_inputs=row_inputs_of(rollouts))
 
 
 def _alone(model, prompt, completion, temperature):

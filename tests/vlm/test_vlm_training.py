@@ -17,13 +17,14 @@ from tests.vlm.tiny_vlm import color_image, qwen2_vl_model
 SIZES = [(40, 36), (60, 30), (30, 60), (56, 56)]
 
 
-def write_image_prompts(folder, num_rows=4):
-    """A jsonl dataset: a conversational prompt and an image path per row."""
+def write_image_prompts(folder, num_rows=4, sizes=SIZES):
+    """A jsonl dataset: a conversational prompt and an image path per row (image ``i`` of size
+    ``sizes[i % len(sizes)]``)."""
     path = folder / "prompts.jsonl"
     with open(path, "w") as f:
         for i in range(num_rows):
             image = folder / f"{i}.png"
-            color_image(i, SIZES[i % len(SIZES)]).save(image)
+            color_image(i, sizes[i % len(sizes)]).save(image)
             f.write(json.dumps({"prompt": [{"role": "user", "content": f"How many dots? {i}"}],
                                 "image": str(image), "answer": str(i)}) + "\n")
     return str(path)

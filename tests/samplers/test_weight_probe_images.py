@@ -1,0 +1,77 @@
+"""The weight probe of a vision-language policy also checks the vision tower: an engine whose
+vision weights differ passes the token sequence (it reaches the language model only) and fails
+the image probe (a tiny Qwen2-VL; the engine is a copy of the policy, its forward the engine's)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.samplers.weight_probe import WeightProbe, WeightSyncError
+from tests.helpers import built
+from tests.vlm.tiny_vlm import qwen2_vl_model, qwen_asset_processor
+
+
+@pytest.fixture(scope="module")
+def qwen_processor(shared_assets):
+    return qwen_asset_processor(shared_assets)
+
+
+@pytest.fixture
+def handle(qwen_processor):
+    return built(GRPOModule(qwen2_vl_model(qwen_processor.tokenizer).double().eval(), tokenizer=qwen_processor,
+                            save_final_model=False))
+
+
+def _engine(model):
+    """Text and image log-prob functions of an 'engine' serving ``model``."""
+    probe_ids = []
+
+    def text(ids):
+        probe_ids.append(ids)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].double()
+        return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+    def image(ids, images, probe):
+        assert images == [probe.image.image] and ids == probe.image.token_ids
+        return probe.image.trainer_logprobs(model, torch.device("cpu"))[0].tolist()
+
+    return text, image
+
+
+def test_the_probe_of_a_vlm_has_an_image_whose_tokens_see_the_vision_tower(handle, qwen_processor):
+    probe = WeightProbe.for_handle(handle)
+    assert probe.image is not None
+    ids = probe.image.token_ids
+    assert ids.count(qwen_processor.image_token_id) > 0 and "pixel_values" in probe.image.model_inputs
+    assert WeightProbe.for_handle(handle).image.token_ids == ids  # the same every time
+    text, image = _engine(copy.deepcopy(handle.policy))
+    report = probe.verify(handle, text, engine_image_logprobs=lambda i, imgs: image(i, imgs, probe))
+    assert report.ok  # the same weights: within the rounding of the trainer's float32 logits
+    assert probe.bound(handle, 1.0) > 2 * 8 * 5.6 * torch.finfo(torch.float32).eps  # the LM's hidden size (32)
+
+
+def test_an_engine_without_the_pushed_vision_tower_fails_the_image_probe_only(handle):
+    probe = WeightProbe.for_handle(handle)
+    engine = copy.deepcopy(handle.policy)
+    with torch.no_grad():
+        for name, param in engine.named_parameters():
+            if "visual" in name:
+                param.mul_(1.5)
+    text, image = _engine(engine)
+    probe.verify(handle, text)  # the token sequence cannot tell
+    with pytest.raises(WeightSyncError, match=r"not served: the engine's log-prob of image-probe token \d+"):
+        probe.verify(handle, text, version=3, engine_image_logprobs=lambda i, imgs: image(i, imgs, probe))
+
+
+def test_a_text_policy_has_no_image_probe():
+    from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
+    from tests.helpers import ALPHABET
+
+    tokenizer = build_char_tokenizer(ALPHABET)
+    module = built(GRPOModule(build_tiny_causal_lm(len(tokenizer)), tokenizer=tokenizer, save_final_model=False))
+    assert WeightProbe.for_handle(module).image is None
