@@ -98,7 +98,7 @@ class AgentSampler(Sampler):
         tokenizer = handle.tokenizer
         try:
             self.template = training_chat_template(tokenizer, handle.eos_token_ids, self.chat_template_kwargs,
-                                                   self.chat_template)
+                                                   self.chat_template, max_calls_per_turn=self._max_calls(tokenizer))
             self.parser = get_parser(self.parser_spec, self.template.chat_template or tokenizer.chat_template)
         except (TemplateError, ValueError) as err:
             raise ConfigError(f"data.agent: {err}") from err
@@ -205,6 +205,15 @@ class AgentSampler(Sampler):
             rounds += 1
         like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
         return [e.rollout(like) for e in episodes]
+
+    def _max_calls(self, tokenizer: Any) -> int | None:
+        """The parser family's calls-per-turn limit, for the template check (``None``: unknown yet;
+        the parser's own errors are raised after the template's)."""
+        try:
+            return get_parser(self.parser_spec, self.chat_template or getattr(tokenizer, "chat_template", None)
+                              ).max_calls_per_turn
+        except ValueError:
+            return None
 
     # ------------------------------------------------------------------ images in tool turns
     def _processor(self) -> Any | None:

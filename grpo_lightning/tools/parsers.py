@@ -4,7 +4,8 @@ Qwen2.5 and Qwen3 (Hermes format) write each call as ``<tool_call>\\n{"name": ..
 {...}}\\n</tool_call>``; Qwen3 may open the turn with a ``<think>...</think>`` block. DeepSeek-V3
 writes its calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each as
 ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`` (calls
-separated by a newline), after the turn's text. A parser is chosen by family name
+separated by a newline), after the turn's text. The other families (Qwen3.5/3.6 and Nemotron-3's
+XML functions, GLM-4, Llama 3.1/3.2, GPT-OSS, LFM2) are in :mod:`.family_parsers`. A parser is chosen by family name
 (``agent.parser: qwen3``), by the dotted path of a :class:`ToolCallParser` subclass, or detected
 from the chat template.
 
@@ -17,62 +18,14 @@ Layer L1: the standard library only.
 from __future__ import annotations
 
 import importlib
-import json
 import re
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
 
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model asked for."""
-
-    name: str
-    arguments: dict[str, Any]
-    type: str = "function"
-
-    def message(self) -> dict[str, Any]:
-        """The call as an assistant message's ``tool_calls`` entry (chat-template format)."""
-        return {"type": self.type, "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class AssistantTurn:
-    """A parsed assistant turn.
-
-    Attributes:
-        content: The text outside the tool-call (and thinking) markup, stripped.
-        tool_calls: The calls, in order (empty for a plain answer).
-        reasoning_content: The thinking text, for families that have one.
-        malformed: The turn had tool-call markup that could not be read (so it calls nothing).
-    """
-
-    content: str
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    reasoning_content: str | None = None
-    malformed: bool = False
-
-    def message(self) -> dict[str, Any]:
-        """The turn as a chat message (``tool_calls`` only when there are some)."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            message["tool_calls"] = [call.message() for call in self.tool_calls]
-        return message
-
-
-class ToolCallParser(ABC):
-    """Turns the decoded text of one assistant turn (end-of-turn token removed) into an
-    :class:`AssistantTurn`. Subclass it for another family and select it by dotted path."""
-
-    #: Marker whose presence in a chat template means this format (for detection); "" = never detected.
-    template_marker: ClassVar[str] = ""
-
-    @abstractmethod
-    def parse(self, text: str) -> AssistantTurn:
-        """Parse one turn; never raises on model output (unreadable markup → ``malformed``)."""
+from grpo_lightning.tools.family_parsers import (
+    GLM4ToolCallParser, GptOssToolCallParser, LFM2ToolCallParser, Llama3ToolCallParser, XMLFunctionToolCallParser,
+)
+from grpo_lightning.tools.tool_calls import (
+    AssistantTurn, ToolCall, ToolCallParser, read_arguments, read_call, split_think,
+)
 
 
 class HermesToolCallParser(ToolCallParser):
@@ -85,7 +38,7 @@ class HermesToolCallParser(ToolCallParser):
         reasoning, text = self._split_reasoning(text)
         calls: list[ToolCall] = []
         for body in self._block.findall(text):
-            call = _read_call(body)
+            call = read_call(body)
             if call is None:
                 return AssistantTurn(text.strip(), [], reasoning, malformed=True)
             calls.append(call)
@@ -104,15 +57,7 @@ class Qwen3ToolCallParser(HermesToolCallParser):
     template_marker = "<think>"
 
     def _split_reasoning(self, text: str) -> tuple[str | None, str]:
-        return _split_think(text)
-
-
-def _split_think(text: str) -> tuple[str | None, str]:
-    """``(thinking, rest)`` around the first ``</think>`` (``None``: the turn has no thinking)."""
-    if "</think>" not in text:
-        return None, text
-    thought, _, rest = text.partition("</think>")
-    return thought.replace("<think>", "", 1).strip(), rest
+        return split_think(text)
 
 
 class DeepSeekV3ToolCallParser(ToolCallParser):
@@ -128,7 +73,7 @@ class DeepSeekV3ToolCallParser(ToolCallParser):
     _markup = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 
     def parse(self, text: str) -> AssistantTurn:
-        reasoning, text = _split_think(text)
+        reasoning, text = split_think(text)
         sections = self._calls.findall(text)
         content = self._calls.sub("", text)
         malformed = AssistantTurn(text.strip(), [], reasoning, malformed=True)
@@ -139,43 +84,11 @@ class DeepSeekV3ToolCallParser(ToolCallParser):
             if not section.strip() or self._call.sub("", section).strip():  # no call, or text between calls
                 return malformed
             for kind, name, body in self._call.findall(section):
-                arguments = _read_arguments(body)
+                arguments = read_arguments(body)
                 if arguments is None or not name.strip():
                     return malformed
                 calls.append(ToolCall(name.strip(), arguments, kind.strip()))
         return AssistantTurn(content.strip(), calls, reasoning)
-
-
-def _read_arguments(body: str) -> dict[str, Any] | None:
-    """A call's JSON arguments (empty: none); ``None`` when they are not a JSON object."""
-    if not body.strip():
-        return {}
-    try:
-        arguments = json.loads(body)
-    except ValueError:
-        return None
-    return arguments if isinstance(arguments, dict) else None
-
-
-def _read_call(body: str) -> ToolCall | None:
-    """One block's JSON as a call; ``None`` when it is not ``{"name": str, "arguments": {...}}``."""
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str) or not payload["name"]:
-        return None
-    arguments = payload.get("arguments", payload.get("parameters"))
-    if arguments is None:
-        arguments = {}
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(payload["name"], arguments)
 
 
 #: Family name -> parser class. Qwen3 is listed first: its template has both markers.
@@ -184,7 +97,25 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen2.5": HermesToolCallParser,
     "hermes": HermesToolCallParser,
     "deepseek-v3": DeepSeekV3ToolCallParser,
+    "qwen3.5": XMLFunctionToolCallParser,  # Qwen3.5/3.6, Nemotron-3, Qwen3-Coder
+    "glm4": GLM4ToolCallParser,  # GLM-4.5/4.6/4.7 (MoE)
+    "llama3": Llama3ToolCallParser,  # Llama 3.1/3.2
+    "gpt-oss": GptOssToolCallParser,
+    "lfm2": LFM2ToolCallParser,  # LFM2/LFM2.5
 }
+
+# (family, markers that must all be in the template), tried in order: the more specific formats
+# first (GLM-4 and the XML format also write <tool_call>, and so do Qwen3's and Qwen2.5's).
+_DETECTION: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("deepseek-v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>")),
+    ("gpt-oss", ("<|channel|>", "<|call|>")),
+    ("lfm2", ("<|tool_call_start|>",)),
+    ("glm4", ("<tool_call>", "<arg_key>")),
+    ("qwen3.5", ("<tool_call>", "<function=", "<parameter=")),
+    ("llama3", (Llama3ToolCallParser.template_marker,)),
+    ("qwen3", ("<tool_call>", "<think>")),
+    ("qwen2.5", ("<tool_call>",)),
+)
 
 
 def detect_family(chat_template: str | None) -> str | None:
@@ -194,12 +125,12 @@ def detect_family(chat_template: str | None) -> str | None:
     ('qwen3', 'qwen2.5', None)
     >>> detect_family("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>")
     'deepseek-v3'
+    >>> detect_family("<think> <tool_call>\\n<function=f>\\n<parameter=x>"), detect_family("<tool_call>f<arg_key>")
+    ('qwen3.5', 'glm4')
     """
-    if chat_template and "<｜tool▁calls▁begin｜>" in chat_template and "<｜tool▁sep｜>" in chat_template:
-        return "deepseek-v3"
-    if not chat_template or "<tool_call>" not in chat_template:
+    if not chat_template:
         return None
-    return "qwen3" if "<think>" in chat_template else "qwen2.5"
+    return next((family for family, markers in _DETECTION if all(m in chat_template for m in markers)), None)
 
 
 def get_parser(spec: "str | ToolCallParser | None", chat_template: str | None) -> ToolCallParser:
@@ -235,6 +166,7 @@ def get_parser(spec: "str | ToolCallParser | None", chat_template: str | None) -
 
 
 __all__ = [
-    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "HermesToolCallParser", "Qwen3ToolCallParser", "ToolCall",
-    "ToolCallParser", "detect_family", "get_parser",
+    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "GLM4ToolCallParser", "GptOssToolCallParser",
+    "HermesToolCallParser", "LFM2ToolCallParser", "Llama3ToolCallParser", "Qwen3ToolCallParser", "ToolCall",
+    "ToolCallParser", "XMLFunctionToolCallParser", "detect_family", "get_parser",
 ]  # fmt: skip

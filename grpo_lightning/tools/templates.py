@@ -103,14 +103,17 @@ class ToolTurnTemplate:
         eos_token_ids: Every id that ends an assistant turn.
         chat_template_kwargs: The run's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
         chat_template: The template to use instead of the tokenizer's (``None``: its own).
+        max_calls_per_turn: The parser family's limit (Llama 3.1/3.2: 1): the start-up check then
+            renders no exchange with more calls.
     """
 
     def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], chat_template_kwargs: Mapping[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, max_calls_per_turn: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tools", "chat_template")}
         self.chat_template = chat_template
+        self.max_calls_per_turn = max_calls_per_turn
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> list[int]:
@@ -199,13 +202,15 @@ class ToolTurnTemplate:
         return ids[: ends[-1] + 1]
 
     def check(self) -> None:
-        """The start-up check: a one-call and a two-call exchange render prefix-preservingly, and
-        so does a second round, whose tool turn is the same ids as the first round's."""
+        """The start-up check: a one-call and a two-call exchange (unless the family allows one call
+        a turn) render prefix-preservingly, and so does a second round, whose tool turn is the same
+        ids as the first round's."""
         result = {"role": "tool", "name": "probe", "content": "5"}
         first = self.tool_turn_ids([result], ["probe"])
-        self.tool_turn_ids(
-            [{"role": "tool", "name": "a", "content": "1"}, {"role": "tool", "name": "b", "content": "2"}], ["a", "b"]
-        )
+        if self.max_calls_per_turn is None or self.max_calls_per_turn >= 2:
+            self.tool_turn_ids(
+                [{"role": "tool", "name": "a", "content": "1"}, {"role": "tool", "name": "b", "content": "2"}], ["a", "b"]
+            )
         history = [_PROBE_USER, _probe_assistant(["probe"]), result]
         prompt = self._render(history, add_generation_prompt=True)
         if self._render([*history, _probe_assistant(["probe"])])[: len(prompt)] != prompt:
@@ -243,7 +248,7 @@ TEMPLATE_FIXES: dict[str, Callable[[str], str | None]] = {"qwen3": _fix_qwen3, "
 
 def training_chat_template(
     tokenizer: Any, eos_token_ids: Sequence[int], chat_template_kwargs: Mapping[str, Any] | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, max_calls_per_turn: int | None = None,
 ) -> ToolTurnTemplate:
     """The template the tool loop renders with, checked at start-up.
 
@@ -258,7 +263,7 @@ def training_chat_template(
             "tools need a chat template (to describe the tools and render tool results), and this tokenizer has "
             "none: use a chat/instruct model or set data.agent.chat_template."
         )
-    candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, chat_template)
+    candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, chat_template, max_calls_per_turn)
     try:
         candidate.check()
         return candidate
@@ -270,7 +275,7 @@ def training_chat_template(
         fixed = fix(tokenizer.chat_template)
         if fixed is None:
             continue
-        candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, fixed)
+        candidate = ToolTurnTemplate(tokenizer, eos_token_ids, chat_template_kwargs, fixed, max_calls_per_turn)
         candidate.check()
         return candidate
     raise first_error
