@@ -23,8 +23,8 @@ TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 # template file: (family, special tokens, end-of-turn tokens, prefix-preserving as the model ships it)
 FAMILIES = {
     "qwen3_5_nothink": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
-    "qwen3_5_think": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], False),
-    "qwen3_6": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], False),
+    "qwen3_5_think": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
+    "qwen3_6": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "nemotron_3_nano": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], False),
     "glm4moe": ("glm4", ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
                          "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
