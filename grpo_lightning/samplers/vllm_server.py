@@ -192,9 +192,8 @@ class VLLMServerSampler(Sampler):
             ids, row_images, seed = job
             if not row_images:
                 return client.completions([ids], n=num_generations, seed=seed, **fields)
-            return _image_choices(client.generate_with_images(
-                engine_prompt(ids, row_images, image_token)["prompt_token_ids"], [_data_url(i) for i in row_images],
-                n=num_generations, seed=seed, **fields))
+            return _image_choices(client.generate_with_images(*_image_request(ids, row_images, image_token),
+                                                              n=num_generations, seed=seed, **fields))
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent_requests, len(rows)))) as pool:
             answers = list(pool.map(request, zip(rows, images, seeds)))
@@ -252,8 +251,7 @@ class VLLMServerSampler(Sampler):
             image_token = image_token_id(handle)
             probe.verify(handle, client.prompt_logprobs, version=version,
                          engine_image_logprobs=lambda ids, images: client.prompt_logprobs(
-                             engine_prompt(ids, images, image_token)["prompt_token_ids"], [_data_url(i) for i in images],
-                             expanded=ids))
+                             *_image_request(ids, images, image_token), expanded=ids))
         self._served_version = version
         self.last_push_seconds = time.perf_counter() - start
         log.info("Pushed policy version %d to %s in %.2f s", version, self.base_url, self.last_push_seconds)
@@ -274,6 +272,13 @@ class VLLMServerSampler(Sampler):
             timeout = self.sync_timeout_s or self.request_timeout_s
             return SENDERS["gloo"](address, self.group_port, timeout, self.chunk_bytes)
         return SENDERS["nccl"](address, self.group_port)
+
+
+def _image_request(ids: list[int], images: list[Any], image_token: int | None) -> tuple[list[int], list[str]]:
+    """An image prompt as the server takes it: its ids with one placeholder per image (the server's
+    processor expands them again) and the images as ``data:`` URLs."""
+    return engine_prompt(ids, images, image_token)["prompt_token_ids"], [_data_url(i) for i in images]
+
 
 def _data_url(image: Any) -> str:
     """A PIL image as a ``data:image/png;base64,...`` URL (lossless: the server sees the trainer's pixels)."""

@@ -20,15 +20,18 @@ from grpo_lightning.tools.templates import TemplateError
 trl = pytest.importorskip("trl", reason="the real chat templates come from the trl package (dev extra)")
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
-# template file: (family, special tokens, end-of-turn tokens, prefix-preserving as the model ships it)
+# template file[/no-thinking]: (family, special tokens, end-of-turn tokens, prefix-preserving as the
+# model ships it); "/no-thinking" renders with chat_template_kwargs {"enable_thinking": False}.
 FAMILIES = {
     "qwen3_5_nothink": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "qwen3_5_think": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "qwen3_6": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "nemotron_3_nano": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], False),
+    "nemotron_3_nano/no-thinking": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"],
+                                    True),
     "glm4moe": ("glm4", ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
                          "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                         "</arg_value>"], ["<|user|>", "<|observation|>"], False),
+                         "</arg_value>"], ["<|observation|>", "<|user|>"], True),
     "llama3_1": ("llama3", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                             "<|eom_id|>", "<|python_tag|>"], ["<|eot_id|>", "<|eom_id|>"], True),
     "llama3_2": ("llama3", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -56,27 +59,32 @@ def _family(name, base_tokenizer_dir):
     family, specials, ends, prefix_preserving = FAMILIES[name]
     tokenizer = AutoTokenizer.from_pretrained(str(base_tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
-    return family, tokenizer, template, ends, prefix_preserving
+    file, _, variant = name.partition("/")
+    template = (TEMPLATES / f"{file}.jinja").read_text(encoding="utf-8")
+    kwargs = {"enable_thinking": False} if variant == "no-thinking" else {}
+    return family, tokenizer, template, ends, prefix_preserving, kwargs
 
 
-def _generated_text(tokenizer, template, assistant, ends):
+def _generated_text(tokenizer, template, assistant, ends, kwargs=None):
     """What the model generated for ``assistant`` as the template renders it: the rendering after
     the generation prompt, without the end-of-turn marker."""
-    prompt = tokenizer.apply_chat_template([USER], add_generation_prompt=True, tokenize=False, chat_template=template)
-    full = tokenizer.apply_chat_template([USER, assistant], tokenize=False, chat_template=template)
+    kwargs = kwargs or {}
+    prompt = tokenizer.apply_chat_template([USER], add_generation_prompt=True, tokenize=False, chat_template=template,
+                                           **kwargs)
+    full = tokenizer.apply_chat_template([USER, assistant], tokenize=False, chat_template=template, **kwargs)
     shared = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), len(prompt))
     # A generation prompt that opens thinking ("<think>\n") renders as an empty block in a past turn.
     assert prompt[shared:] in ("", "\n"), f"the assistant turn does not follow the generation prompt: {prompt[shared:]!r}"
-    text = full[shared:].rstrip()
+    text = full[shared:].rstrip()  # whitespace the template puts after the turn's end marker
     for end in ends:
-        text = text.removesuffix(end).rstrip()
+        if text.endswith(end):
+            return text.removesuffix(end)  # what precedes the marker, "\n" included, is generated
     return text
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_rendered_tool_calls_parse_back(name, base_tokenizer_dir):
-    family, tokenizer, template, ends, _ = _family(name, base_tokenizer_dir)
+    family, tokenizer, template, ends, _, kwargs = _family(name, base_tokenizer_dir)
     assert detect_family(template) == family
     parser = get_parser(None, template)
     calls = CALLS[: parser.max_calls_per_turn or len(CALLS)]
@@ -84,10 +92,11 @@ def test_rendered_tool_calls_parse_back(name, base_tokenizer_dir):
         calls = CALLS[:1]  # harmony: a turn ends at its call (<|call|>)
     assistant = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
-    turn = parser.parse(_generated_text(tokenizer, template, assistant, ends))
+    turn = parser.parse(_generated_text(tokenizer, template, assistant, ends, kwargs))
     assert not turn.malformed
     assert [(c.name, c.arguments) for c in turn.tool_calls] == calls
-    plain = parser.parse(_generated_text(tokenizer, template, {"role": "assistant", "content": "It is 3."}, ends))
+    plain = parser.parse(_generated_text(tokenizer, template, {"role": "assistant", "content": "It is 3."}, ends,
+                                         kwargs))
     assert plain.tool_calls == [] and not plain.malformed and "It is 3." in plain.content
 
 
@@ -95,9 +104,9 @@ def test_rendered_tool_calls_parse_back(name, base_tokenizer_dir):
 def test_the_start_up_check_of_each_template(name, base_tokenizer_dir):
     """The templates that are prefix-preserving as shipped drive the tool loop as they are; the
     others are refused at start-up naming the fix (data.agent.chat_template)."""
-    family, tokenizer, template, ends, prefix_preserving = _family(name, base_tokenizer_dir)
-    check = ToolTurnTemplate(tokenizer, [tokenizer.convert_tokens_to_ids(t) for t in ends], chat_template=template,
-                             max_calls_per_turn=get_parser(family, None).max_calls_per_turn)
+    family, tokenizer, template, ends, prefix_preserving, kwargs = _family(name, base_tokenizer_dir)
+    check = ToolTurnTemplate(tokenizer, [tokenizer.convert_tokens_to_ids(t) for t in ends], kwargs,
+                             chat_template=template, max_calls_per_turn=get_parser(family, None).max_calls_per_turn)
     if prefix_preserving:
         check.check()
     else:
@@ -159,17 +168,17 @@ def test_a_tool_loop_runs_with_each_shipped_prefix_preserving_template(name, bas
     from grpo_lightning.types import GenerationParams
     from tests.agents.scripted import Handle, ScriptedSampler
 
-    family, tokenizer, template, ends, _ = _family(name, base_tokenizer_dir)
+    family, tokenizer, template, ends, _, kwargs = _family(name, base_tokenizer_dir)
     tokenizer.eos_token = ends[0]  # the scripted turns end with it
     call_text = _generated_text(tokenizer, template, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]}, ends)
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]}, ends, kwargs)
     answer = "<|channel|>final<|message|>It is 42." if family == "gpt-oss" else "It is 42."
 
     def script(context, k):
         return answer if "sum=42" in context else call_text
 
     tools = Toolbox.of([add])
-    sampler = AgentSampler(ScriptedSampler(script), tools, chat_template=template)
+    sampler = AgentSampler(ScriptedSampler(script), tools, chat_template=template, chat_template_kwargs=kwargs)
     sampler.bind(Handle(tokenizer, eos_token_ids=tuple(tokenizer.convert_tokens_to_ids(t) for t in ends)))
     assert sampler.parser.__class__ is type(get_parser(family, None))
     prompt = sampler.render_prompt([{"role": "user", "content": "What is 40 + 2?"}], tools)
@@ -179,3 +188,10 @@ def test_a_tool_loop_runs_with_each_shipped_prefix_preserving_template(name, bas
     assert "sum=42" in text and text.rstrip().removesuffix(tokenizer.eos_token).endswith("It is 42.")
     tool_part = [i for i, m in enumerate(rollout.tool_mask) if m == 0]
     assert tool_part and "sum=42" in tokenizer.decode([rollout.completion_ids[i] for i in tool_part])
+    # Token in, token out: up to the answer, the trained ids are the template's own rendering of the
+    # conversation (its call turn as generated, its tool turn, the next generation prompt).
+    messages = [{"role": "user", "content": "What is 40 + 2?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]},
+        {"role": "tool", "name": "add", "content": "sum=42"}]
+    expected = tokenizer.decode(sampler.template.render(messages, tools=tools.schemas))
+    assert tokenizer.decode(rollout.prompt_ids + rollout.completion_ids[: tool_part[-1] + 1]) == expected
