@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from grpo_lightning.utils.model_config import text_config
+
 
 class FP32LMHead(torch.nn.Linear):
     """An ``nn.Linear`` LM head that computes in float32 and keeps float32 parameters.
@@ -94,8 +96,8 @@ def check_fp32_head_setting(config: Any, peft_target_modules: list[str], modules
     """Refuse ``cast_lm_head_to_fp32`` with tied embeddings (from the model config) or a PEFT
     adapter on ``lm_head`` (TRL: the same), before any weights load."""
     tied = getattr(config, "tie_word_embeddings", None)
-    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    tied = tied if tied is not None else getattr(text_config, "tie_word_embeddings", False)
+    lm_config = text_config(config)
+    tied = tied if tied is not None else getattr(lm_config, "tie_word_embeddings", False)
     if tied:
         raise tied_embeddings_error(f"the model config ({getattr(config, 'model_type', '?')})")
     if "lm_head" in (*peft_target_modules, *modules_to_save):

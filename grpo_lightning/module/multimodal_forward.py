@@ -36,6 +36,7 @@ from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.fp32_head import is_fp32_head
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.types import RowInputs
+from grpo_lightning.utils.model_config import text_config
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -129,8 +130,8 @@ def _chunkable_head(model: torch.nn.Module) -> torch.nn.Module | None:
     if _model_type(model) not in CHUNKED_HEAD_MODEL_TYPES:
         return None
     config = _core(model).config
-    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    if getattr(text_config, "final_logit_softcapping", None) is not None:
+    lm_config = text_config(config)
+    if getattr(lm_config, "final_logit_softcapping", None) is not None:
         return None
     get_head = getattr(_core(model), "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

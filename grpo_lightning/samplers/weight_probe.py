@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 import torch
 
 from grpo_lightning.types import PolicyHandle
+from grpo_lightning.utils.model_config import text_config
 
 SAFETY = 8.0
 T = TypeVar("T")
@@ -197,9 +198,7 @@ class WeightProbe:
         if self.tolerance is not None:
             return self.tolerance
         policy_dtype = next(handle.policy.parameters()).dtype
-        config = handle.policy.config
-        text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-        hidden = int(getattr(text_config, "hidden_size", None) or getattr(config, "hidden_size", 1) or 1)  # VLMs: the LM's
+        hidden = int(getattr(text_config(handle.policy.config), "hidden_size", None) or 1)  # a VLM's: its LM's
         return probe_tolerance(coarser_dtype(self.engine_dtype, policy_dtype), scale, hidden)
 
     def compare(self, engine_logprobs: Sequence[float], trainer_logprobs: torch.Tensor, tolerance: float) -> ProbeReport:
