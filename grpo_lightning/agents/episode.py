@@ -66,14 +66,23 @@ class Episode:
     def context_ids(self) -> list[int]:
         """The ids the next turn is generated from: prompt and completion so far (a
         :class:`~grpo_lightning.agents.tool_images.ContextPrompt` with the row's image inputs when it has any)."""
-        if self.image_inputs is None:
+        return self.context()
+
+    def context(self, like: RowImages | None = None) -> list[int]:
+        """:attr:`context_ids`; with ``like`` (another row's image inputs) a row without images
+        gets empty ones in its fields (see :meth:`images_or_empty`)."""
+        images = self.images_or_empty(like)
+        if images is None:
             return self.prompt_ids + self.completion_ids
-        return self.image_inputs.context(self.prompt_ids, self.completion_ids, self.all_images)
+        return images.context(self.prompt_ids, self.completion_ids, self.token_images)
 
     @property
-    def all_images(self) -> list[Any]:
-        """The row's raw images in the order of their tokens: the prompt's, then the tool turns'."""
-        return [*(self.image_inputs.images if self.image_inputs is not None else []), *self.images]
+    def token_images(self) -> list[Any]:
+        """The raw images that have tokens in the row, in their order: the prompt's, then the tool
+        turns' rendered by the processor (none for a text-only policy, whose tool images stay text)."""
+        if self.image_inputs is None:
+            return []
+        return [*self.image_inputs.images, *self.images]
 
     def add_generated(self, rollout: Rollout, turn_ids: list[int], ended_on_eos: bool, turn: AssistantTurn) -> None:
         """Append one generated turn (``turn_ids``, already cut to the budget) and its parse."""
@@ -127,7 +136,7 @@ class Episode:
             prompt_ids=list(self.prompt_ids), completion_ids=list(self.completion_ids), ended_on_eos=self.ended_on_eos,
             policy_version=self.policy_version, sampling_logprobs=self.sampling_logprobs, tool_mask=list(self.tool_mask),
             extra=extra, model_inputs=self.row_inputs(like),
-            images=None if self.image_inputs is None else self.all_images or None,
+            images=self.token_images or None,
         )
 
     def images_or_empty(self, like: RowImages | None) -> RowImages | None:

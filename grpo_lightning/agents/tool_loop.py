@@ -244,11 +244,7 @@ class AgentSampler(Sampler):
         """The episodes' contexts for one generation call: when some rows have images, the
         others carry empty image inputs (the back-end takes image inputs for all rows or none)."""
         like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
-        if like is None:
-            return [e.context_ids for e in episodes]
-        return [e.images_or_empty(like).context(e.prompt_ids, e.completion_ids,  # type: ignore[union-attr]
-                                                e.all_images if e.image_inputs is not None else [])
-                for e in episodes]
+        return [e.context(like) for e in episodes]
 
     def _note_images(self, episode: Episode) -> None:
         if episode.images and not self._warned_images:
