@@ -157,7 +157,7 @@ class ToolTurnTemplate:
         before = _first_row(processor(text=[before_text], return_tensors="pt")["input_ids"])
         encoded = processor(text=[after_text], images=images or None, return_tensors="pt")
         after = _first_row(encoded["input_ids"])
-        cut = self._cut_after_turn(before, after, len(self._render([_PROBE_USER], add_generation_prompt=True)))
+        cut = self._cut_after_turn(before, after)
         if after[: len(cut)] != cut:
             raise _not_prefix_preserving("appending a tool message with images re-renders the earlier turns")
         inputs = {k: v for k, v in encoded.items() if k != "attention_mask"}
@@ -185,24 +185,23 @@ class ToolTurnTemplate:
         messages = [{**m, "content": text_only(m.get("content"))} for m in tool_messages]
         assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
         after = self._render([*history, assistant, *messages], add_generation_prompt=True)
-        before = self._cut_after_turn(self._render([*history, assistant]), after,
-                                      len(self._render(history, add_generation_prompt=True)))
+        before = self._cut_after_turn(self._render([*history, assistant]), after)
         if after[: len(before)] != before:
             raise _not_prefix_preserving("appending a tool message re-renders the earlier turns")
         return after[len(before):]
 
-    def _cut_after_turn(self, ids: list[int], after: list[int], start: int) -> list[int]:
-        """``ids`` (a rendering ending with an assistant turn whose text starts at ``start``) up to
-        and including that turn's end-of-turn id. A template that closes the turn itself (Qwen's
-        ``<|im_end|>``) has it in ``ids``; one that leaves the turn open for the next message's role
-        token to end it (GLM-4: ``<|observation|>`` before tool results, the token the model ends a
-        calling turn with) has it only in ``after`` (the rendering with the tool messages), right
-        after the turn: then ``ids`` plus that token."""
-        ends = [i for i, token in enumerate(ids) if token in self.eos_token_ids and i >= start]
-        if ends:
-            return ids[: ends[-1] + 1]
+    def _cut_after_turn(self, ids: list[int], after: list[int]) -> list[int]:
+        """``ids`` (a rendering ending with an assistant turn) up to and including that turn's
+        end-of-turn id. A template that leaves the turn open for the next message's role token to
+        end it (GLM-4: ``<|observation|>`` before tool results, the token the model ends a calling
+        turn with) has that id right after ``ids`` in ``after`` (the rendering with the tool
+        messages): then ``ids`` plus it. Otherwise the template closes the turn itself (Qwen's
+        ``<|im_end|>``): up to the last end-of-turn id of ``ids``."""
         if len(after) > len(ids) and after[: len(ids)] == ids and after[len(ids)] in self.eos_token_ids:
             return after[: len(ids) + 1]
+        ends = [i for i, token in enumerate(ids) if token in self.eos_token_ids]
+        if ends:
+            return ids[: ends[-1] + 1]
         raise TemplateError(
             "the chat template ends an assistant turn with none of the end-of-sequence ids "
             f"{sorted(self.eos_token_ids)}: the tool loop cannot tell where a turn ends. Use a chat model whose "
