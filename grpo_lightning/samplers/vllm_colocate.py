@@ -23,7 +23,8 @@ import torch
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
-    distributed_rank_and_world, engine_prompt, image_token_id, import_vllm, policy_weights, sampling_params,
+    distributed_rank_and_world, engine_prompt, engine_prompt_logprobs, image_token_id, import_vllm, policy_weights,
+    sampling_params,
 )
 from grpo_lightning.samplers.weight_probe import (
     WeightProbe, WeightSyncError, checksums, coarser_dtype, first_differing_parameter, run_with_deadline,
@@ -302,9 +303,11 @@ class VLLMColocateSampler(Sampler):
             reset_encoder()
         if self.verify_weights:
             probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
-            probe.verify(handle, self._engine_logprobs, version=version,
+            image_token = image_token_id(handle)
+            probe.verify(handle, lambda ids: engine_prompt_logprobs(self.llm, ids), version=version,
                          differing_parameter=lambda: self._differing_parameter(handle),
-                         engine_image_logprobs=lambda ids, images: self._engine_logprobs(ids, images, handle))
+                         engine_image_logprobs=lambda ids, images: engine_prompt_logprobs(self.llm, ids, images,
+                                                                                          image_token))
 
     def _load(self, handle: PolicyHandle) -> None:
         on_cpu = str(self.llm.llm_engine.vllm_config.device_config.device_type) == "cpu"
@@ -316,21 +319,6 @@ class VLLMColocateSampler(Sampler):
                     worker.model_runner.model.load_weights(weights)
 
             self.llm.collective_rpc(load)
-
-    def _engine_logprobs(self, token_ids: list[int], images: list[Any] | None = None,
-                         handle: PolicyHandle | None = None) -> list[float]:
-        """The engine's log-probs of ``token_ids[1:]`` (with ``images``: ids as the trainer's
-        processor expanded them, sent with one placeholder per image and the raw images)."""
-        from vllm.inputs import TokensPrompt
-
-        probe = sampling_params(GenerationParams(max_completion_length=1), logprobs=None, prompt_logprobs=0)
-        prompt = (engine_prompt(token_ids, images, image_token_id(handle)) if images and handle is not None
-                  else TokensPrompt(prompt_token_ids=token_ids))
-        output = self.llm.generate([prompt], probe, use_tqdm=False)[0]
-        if list(output.prompt_token_ids) != token_ids:
-            raise WeightSyncError("The engine expanded the weight probe's image placeholders differently from the "
-                                  "trainer's processor: its log-probs cannot be compared.")
-        return [output.prompt_logprobs[i][token_ids[i]].logprob for i in range(1, len(token_ids))]
 
     def _differing_parameter(self, handle: PolicyHandle) -> str | None:
         """The first weight whose engine copy differs, from per-parameter checksums. Weights the

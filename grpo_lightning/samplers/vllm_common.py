@@ -208,6 +208,25 @@ def engine_prompt(ids: list[int], images: list[Any] | None, image_token_id: int 
     return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images)}}
 
 
+def engine_prompt_logprobs(llm: Any, token_ids: list[int], images: list[Any] | None = None,
+                           image_token: int | None = None) -> list[float]:
+    """A vLLM engine's log-probs of ``token_ids[1:]`` (``prompt_logprobs``); with ``images``, the
+    ids are the trainer's processor's expansion, sent as :func:`engine_prompt` (one placeholder
+    per image and the raw images) and required to come back expanded the same.
+
+    Raises:
+        WeightSyncError: When the engine expands the image placeholders into other ids.
+    """
+    from grpo_lightning.samplers.weight_probe import WeightSyncError
+
+    probe = sampling_params(GenerationParams(max_completion_length=1), logprobs=None, prompt_logprobs=0)
+    output = llm.generate([engine_prompt(token_ids, images, image_token)], probe, use_tqdm=False)[0]
+    if list(output.prompt_token_ids) != list(token_ids):
+        raise WeightSyncError("The engine expanded the weight probe's image placeholders differently from the "
+                              "trainer's processor: its log-probs cannot be compared.")
+    return [output.prompt_logprobs[i][token_ids[i]].logprob for i in range(1, len(token_ids))]
+
+
 def image_token_id(handle: PolicyHandle) -> int | None:
     """The policy's image placeholder token id (its processor's, else its config's), or ``None``."""
     processor = getattr(handle.tokenizer, "processor", None)

@@ -48,6 +48,7 @@ class Record:
     def __init__(self, sampler):
         import lightning.pytorch as pl
 
+        from grpo_lightning.samplers.vllm_common import engine_prompt_logprobs
         from grpo_lightning.samplers.weight_probe import WeightProbe
 
         outer = self
@@ -56,7 +57,7 @@ class Record:
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 probe = WeightProbe.for_handle(pl_module)
                 trainer_lp, scale = probe.trainer_logprobs(pl_module)
-                engine_lp = sampler._engine_logprobs(probe.token_ids)
+                engine_lp = engine_prompt_logprobs(sampler.llm, probe.token_ids)
                 outer.rows.append((trainer.global_step, batch, engine_lp, trainer_lp, probe.bound(pl_module, scale)))
 
         self.rows: list[tuple] = []

@@ -10,6 +10,7 @@ from grpo_lightning.data.multimodal import attach_model_inputs, encode_row_promp
 from grpo_lightning.module.forward import completion_logprobs
 from grpo_lightning.module.model_loading import load_tokenizer
 from grpo_lightning.types import Rollout, RolloutBatch
+from tests.vlm.test_vlm_forward import _alone
 from tests.vlm.test_vlm_training import changed_parameters, fit
 from tests.vlm.tiny_vlm import color_image, idefics3_model
 
@@ -30,12 +31,6 @@ def _setup(processor):
     batch = RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(3), torch.tensor(0.0),
                          torch.zeros(3, dtype=torch.long), model_inputs=row_inputs_of(rollouts))
     return tokenizer, prompts, batch
-
-
-def _alone(model, prompt, completion):
-    ids = torch.cat([torch.tensor(list(prompt)), completion])[None]
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **prompt.model_inputs).logits[0].double()
-    return logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, completion[:, None])[:, 0]
 
 
 def test_rows_with_different_image_counts_score_as_alone(idefics3_processor):

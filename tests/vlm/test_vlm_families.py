@@ -22,7 +22,7 @@ from grpo_lightning.samplers import HFGenerateSampler
 from grpo_lightning.types import GenerationParams
 from tests.helpers import built
 from tests.vlm import tiny_vlm
-from tests.vlm.test_vlm_forward import _batch  # 2 completions per prompt, temperature 0.7
+from tests.vlm.test_vlm_forward import _alone, _batch  # 2 completions per prompt, temperature 0.7
 from tests.vlm.test_vlm_training import changed_parameters, fit
 
 ATOL = 4e-6  # a float64 model, float32 log-probs (|logp| ~ 12: float32 spacing ~1e-6)
@@ -59,18 +59,6 @@ def _prompts(tokenizer, seed=0):
     return [encode_row_prompt({"prompt": [{"role": "user", "content": f"what is {i}?"}],
                                "images": [tiny_vlm.color_image(seed + 10 * i + j, size) for j, size in enumerate(sizes)]},
                               i, tokenizer) for i, sizes in enumerate(IMAGES)]
-
-
-def _alone(model, prompt, completion, temperature):
-    """``(C,)`` float64 log-probs of ``completion`` after ``prompt``, unpadded, straight through the
-    model with the prompt's processor outputs (token fields extended by zeros over the completion)."""
-    ids = torch.cat([torch.tensor(list(prompt)), completion])[None]
-    inputs = {name: (torch.cat([value, value.new_zeros(len(completion))])[None] if name in prompt.token_fields
-                     else value) for name, value in prompt.model_inputs.items()}
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0].double()
-    logits = logits[len(prompt) - 1 : -1] / temperature
-    return logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
 
 
 def test_the_processors_give_what_the_tests_rely_on(family):

@@ -43,20 +43,22 @@ def _batch(prompts, tokenizer):
                         torch.zeros(n, dtype=torch.long), temperature=0.7, model_inputs=row_inputs_of(rollouts))
 
 
+def _alone(model, prompt, completion, temperature=1.0):
+    """``(C,)`` float64 log-probs of ``completion`` after ``prompt``, unpadded, straight through the
+    model with the prompt's processor outputs (token fields extended by zeros over the completion)."""
+    ids = torch.cat([torch.tensor(list(prompt)), completion])[None]
+    inputs = {name: (torch.cat([value, value.new_zeros(len(completion))])[None] if name in prompt.token_fields
+                     else value) for name, value in prompt.model_inputs.items()}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0].double()
+    logits = logits[len(prompt) - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+
+
 def _reference(model, prompts, batch) -> list[torch.Tensor]:
     """Each row alone, unpadded, straight through the model with its processor outputs."""
-    out = []
-    for row in range(len(batch)):
-        prompt = prompts[row // 2]
-        completion = batch.completion_ids[row][batch.completion_mask[row].bool()]
-        ids = torch.cat([torch.tensor(list(prompt)), completion])[None]
-        inputs = {k: v for k, v in prompt.model_inputs.items() if k not in prompt.token_fields}
-        inputs["mm_token_type_ids"] = torch.cat([prompt.model_inputs["mm_token_type_ids"],
-                                                 torch.zeros(len(completion), dtype=torch.long)])[None]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0].double()
-        logits = logits[len(prompt) - 1 : -1] / batch.temperature
-        out.append(logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0])
-    return out
+    return [_alone(model, prompts[row // 2], batch.completion_ids[row][batch.completion_mask[row].bool()],
+                   batch.temperature) for row in range(len(batch))]
 
 
 @pytest.fixture
