@@ -4,19 +4,16 @@ unsharded), mix with ``RefModelSync.sync`` and compare the gathered reference wi
 of the unsharded weights; a second reference, kept whole, takes the policy's gathered tensors.
 Usage: python ref_sync_fsdp2_child.py PORT OUT_DIR"""
 
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
-import torch.multiprocessing as mp
+
+from tests.gloo_ranks import spawn_two_ranks
 
 ALPHA = 0.6
 
 
-def run(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+def check(rank: int) -> list[str]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -47,10 +44,8 @@ def run(rank: int, port: int, out_dir: str) -> None:
             problems.append(f"whole reference, {name}")
     if not any(p.to_local().shape != p.shape for p in ref.parameters()):
         problems.append("nothing was sharded")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(problems) or "ok")
-    torch.distributed.destroy_process_group()
+    return problems
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    spawn_two_ranks(check)

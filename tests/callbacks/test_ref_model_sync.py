@@ -206,18 +206,11 @@ def test_lora_with_a_separate_reference_mixes_parameters():
 def test_fsdp2_shards_mix_in_place_like_the_whole_weights(tmp_path):
     """Two gloo ranks (ref_sync_fsdp2_child.py): a sharded reference mixed shard by shard, and a
     whole one from the sharded policy, both equal the float64 mix of the unsharded weights."""
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from tests.helpers import free_port
+    from tests.gloo_ranks import run_two_ranks
 
-    child = Path(__file__).with_name("ref_sync_fsdp2_child.py")
-    result = subprocess.run([sys.executable, str(child), str(free_port()), str(tmp_path)], capture_output=True,
-                            text=True, timeout=300, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", rank
+    run_two_ranks(Path(__file__).with_name("ref_sync_fsdp2_child.py"), tmp_path)
 
 
 def test_trl_fields_are_the_callbacks_yaml_arguments(tmp_path):

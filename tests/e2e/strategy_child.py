@@ -9,6 +9,7 @@ policy is exported to ``<out_dir>/final_model`` through the strategy.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -70,7 +71,9 @@ def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None
     trainer.fit(module, data)
     result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS}
     Path(out_dir, f"result_{trainer.global_rank}.json").write_text(json.dumps(result))
+    trainer.strategy.barrier("results written")  # no rank tears the group down under a peer's message
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a rank that aborts shows where (the test prints stderr)
     main(*sys.argv[1:])

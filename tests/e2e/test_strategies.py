@@ -24,6 +24,8 @@ def _run(strategy: str, model_dir: str, prompts: str, out: Path, port: int) -> l
     result = subprocess.run([sys.executable, str(CHILD), strategy, model_dir, prompts, str(out)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+    missing = [rank for rank in (0, 1) if not (out / f"result_{rank}.json").exists()]
+    assert not missing, f"rank(s) {missing} wrote no result; the ranks' stderr:\n{result.stderr[-6000:]}"
     return [json.loads((out / f"result_{rank}.json").read_text()) for rank in (0, 1)]
 
 

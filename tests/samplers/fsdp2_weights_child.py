@@ -2,17 +2,14 @@
 ``policy_weights`` yields every whole tensor and ``policy_weight_shapes`` the global shapes.
 Usage: python fsdp2_weights_child.py PORT OUT_DIR"""
 
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
-import torch.multiprocessing as mp
+
+from tests.gloo_ranks import spawn_two_ranks
 
 
-def run(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+def check(rank: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from grpo_lightning.module.sharding import shard_fsdp2
@@ -33,10 +30,8 @@ def run(rank: int, port: int, out_dir: str) -> None:
         problems.append(f"names differ: {sorted(set(got) ^ set(reference))}")
     if not sharded:
         problems.append("nothing was sharded")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(problems) or "ok")
-    torch.distributed.destroy_process_group()
+    return problems
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    spawn_two_ranks(check)

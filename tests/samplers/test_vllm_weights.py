@@ -4,9 +4,6 @@ whole; ``policy_weight_shapes`` announces the same tensors without gathering."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,12 +69,6 @@ def test_lora_is_unmerged_when_the_push_fails(lora_model) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_shards_are_gathered_whole_on_every_rank(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    child = Path(__file__).with_name("fsdp2_weights_child.py")
-    result = subprocess.run([sys.executable, str(child), str(port), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, cwd=Path(__file__).parents[2])
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", rank
+    from tests.gloo_ranks import run_two_ranks
+
+    run_two_ranks(Path(__file__).with_name("fsdp2_weights_child.py"), tmp_path)
