@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from grpo_lightning.agents import AgentSampler, AgentSettings, EnvironmentSet, Episode, add_observation, resolve_tools
 from grpo_lightning.agents.settings import read_chat_template
+from grpo_lightning.data.prompt_format import check_context_length
 from grpo_lightning.data.sampling import generate_checked
 from grpo_lightning.data.sources import is_conversational
 from grpo_lightning.errors import ConfigError
@@ -103,7 +104,8 @@ class AgentBatch:
         for i, (row, toolbox) in enumerate(zip(self.rows, toolboxes)):
             same = i > 0 and self.environments is None and row_ids[i] == row_ids[i - 1]  # same prompt, same tools
             prompt_ids.append(prompt_ids[-1] if same else sampler.render_prompt(row["prompt"], toolbox))
-        _check_context(prompt_ids, row_ids, settings.params.max_completion_length, getattr(handle, "max_context_length", None))
+        check_context_length(prompt_ids, row_ids, settings.params.max_completion_length,
+                             getattr(handle, "max_context_length", None), counted=" with its tools")
         self.episodes = [Episode(ids, toolbox, env) for ids, toolbox, env in
                          zip(prompt_ids, toolboxes, self.environments or [None] * len(self.rows))]
         group = settings.num_generations if _runs_of(prompt_ids, settings.num_generations) else 1
@@ -151,22 +153,6 @@ def _runs_of(prompt_ids: list[list[int]], size: int) -> bool:
                for i in range(start, start + size))
 
 
-def _check_context(prompt_ids: list[list[int]], row_ids: Sequence[int], max_completion_length: int,
-                   context: int | None) -> None:
-    if not context:
-        return
-    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    if len(prompt_ids[longest]) + max_completion_length > context:
-        raise ValueError(
-            f"row {row_ids[longest]}'s prompt, rendered with its tools, has {len(prompt_ids[longest])} tokens: with "
-            f"data.generation.max_completion_length={max_completion_length} it exceeds the model's context of {context} "
-            "tokens. Lower max_completion_length or shorten the prompts (tool schemas count too)."
-        )
-
-
-
-
-
 def gathered_tool_metrics(rollouts: Sequence[Rollout], gather_rows: Any, counted: Any, device: Any) -> dict[str, float]:
     """``tools/call_frequency`` and ``tools/failure_frequency`` over every rank's rollouts that
     count (``counted``: ``(N,)`` bool or ``None``); empty for rollouts without tools."""
@@ -183,5 +169,6 @@ def gathered_tool_metrics(rollouts: Sequence[Rollout], gather_rows: Any, counted
     if counted is not None:
         counts = counts[counted]
     return tool_metrics(counts[:, 0].cpu(), counts[:, 1].cpu())
+
 
 __all__ = ["AgentBatch", "ENVIRONMENT_PROMPT", "PLACEHOLDER_ROWS", "environment_prompt", "gathered_tool_metrics", "placeholder_dataset", "start_agent_batch", "wire_agent"]

@@ -88,43 +88,45 @@ def tokenize_prompt(
 
 
 def check_context_length(
-    prompts: Sequence[Any],
+    prompt_ids: Sequence[Sequence[int]],
     row_ids: Sequence[int],
-    tokenizer: Any,
-    chat_template_kwargs: Mapping[str, Any] | None,
     max_completion_length: int,
     max_context_length: int | None,
+    counted: str = "",
 ) -> None:
     """Raise when a prompt plus ``max_completion_length`` tokens exceeds the model's context.
 
-    Each distinct prompt (consecutive equal ``row_ids`` are one prompt) is tokenized as the
-    sampler will see it. Generating past the context length only earns a transformers warning
-    and then garbage (or an index error deep inside the model), so it is an error here.
+    ``prompt_ids`` are the prompts exactly as the sampler receives them: a vision-language row's
+    ids hold every image token the processor expanded (a 448x448 image is ~256 of Qwen2-VL's), an
+    agent row's the tool schemas. Generating past the context length only earns a transformers
+    warning and then garbage (or an index error deep inside the model), so it is an error here.
 
     Args:
-        prompts: One prompt per row.
-        row_ids: The dataset row of each prompt (named in the error).
-        tokenizer: The policy's tokenizer.
-        chat_template_kwargs: As for :func:`tokenize_prompt`.
+        prompt_ids: One prompt's ids per entry.
+        row_ids: The dataset row of each entry (named in the error).
         max_completion_length: ``data.generation.max_completion_length``.
         max_context_length: The model's context (``max_position_embeddings``); ``None`` skips the check.
+        counted: What the lengths hold beyond the text, for the message (e.g. " with its tools").
 
     Raises:
         ValueError: Naming the first rows that do not fit, their lengths and the fixes.
+
+    >>> check_context_length([[1, 2, 3]], [0], max_completion_length=5, max_context_length=8)
+    >>> check_context_length([[1, 2, 3, 4]], [9], max_completion_length=5, max_context_length=8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: 1 prompt(s) are too long for the model: row 9 (4 tokens); ...
     """
     if not max_context_length:
         return
     budget = max_context_length - max_completion_length
     too_long: dict[int, int] = {}
-    for i, prompt in enumerate(prompts):
-        if (i > 0 and row_ids[i] == row_ids[i - 1]) or row_ids[i] in too_long:
-            continue
-        length = len(tokenize_prompt(prompt, tokenizer, chat_template_kwargs))
-        if length > budget:
-            too_long[row_ids[i]] = length
+    for ids, row in zip(prompt_ids, row_ids):
+        if len(ids) > budget and row not in too_long:
+            too_long[row] = len(ids)
     if not too_long:
         return
-    shown = ", ".join(f"row {row} ({length} tokens)" for row, length in list(too_long.items())[:5])
+    shown = ", ".join(f"row {row} ({length} tokens{counted})" for row, length in list(too_long.items())[:5])
     longest = max(too_long.values())
     fix = (
         f"lower data.generation.max_completion_length to at most {max_context_length - longest}, or filter "

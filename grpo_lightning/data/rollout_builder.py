@@ -22,7 +22,8 @@ from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
 from grpo_lightning.data.multimodal import (
-    attach_model_inputs, check_agent_images, check_sampler_images, encode_row_prompt, image_column, row_inputs_of,
+    MultimodalPrompt, attach_model_inputs, check_agent_images, check_sampler_images, encode_row_prompt, image_column,
+    row_inputs_of,
 )
 from grpo_lightning.data.prompt_format import check_context_length, decode_completions
 from grpo_lightning.data.prompt_order import GenerationPlan
@@ -177,10 +178,6 @@ class RolloutBuilder:
         rows, agent = start_agent_batch(self.sampler, rows)  # agents: each rollout's environment reset, its tools
         check_agent_images(agent, rows)  # agent loops render text only
         prompts = [row["prompt"] for row in rows]
-        check_context_length(
-            prompts, row_ids, tokenizer, s.chat_template_kwargs, s.params.max_completion_length,
-            getattr(self.handle, "max_context_length", None),  # None: the model states no limit
-        )
         rollouts = self._generate(rows, row_ids) if agent is None else agent.generate(self.handle, s, row_ids)
         completion_ids = [r.completion_ids for r in rollouts]
         conversational = is_conversational(prompts[0])
@@ -292,12 +289,21 @@ class RolloutBuilder:
         runs = [b - a for a, b in zip(starts, starts[1:] + [len(row_ids)])]
         if all(n == s.num_generations for n in runs):
             unique = [encode(i) for i in starts]  # images: MultimodalPrompt (ids + pixel inputs)
-            check_sampler_images(self.sampler, unique)
+            self._check_prompts(unique, [row_ids[i] for i in starts])
             return attach_model_inputs(generate_checked(self.sampler, self.handle, unique, s.num_generations, s.params),
                                        unique, s.num_generations)
         per_row = [encode(i) for i in range(len(rows))]
-        check_sampler_images(self.sampler, per_row)
+        self._check_prompts(per_row, row_ids)
         return attach_model_inputs(generate_checked(self.sampler, self.handle, per_row, 1, s.params), per_row, 1)
+
+    def _check_prompts(self, prompts: Sequence[Any], row_ids: Sequence[int]) -> None:
+        """Before any compute: the sampler takes the prompts' images, and each prompt (its image
+        tokens counted) leaves room for ``max_completion_length`` in the model's context."""
+        check_sampler_images(self.sampler, prompts)
+        images = any(isinstance(p, MultimodalPrompt) for p in prompts)
+        check_context_length(prompts, row_ids, self.settings.params.max_completion_length,
+                             getattr(self.handle, "max_context_length", None),  # None: the model states no limit
+                             counted=", image tokens included" if images else "")
 
     def _pad(self, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> RolloutBatch:
         s, tokenizer = self.settings, self.handle.tokenizer

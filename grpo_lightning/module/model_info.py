@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from grpo_lightning.utils.model_config import text_config
+
 log = logging.getLogger(__name__)
 
 
@@ -46,10 +48,13 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 def _from_configs(config: Any, generation_config: Any) -> ModelInfo:
-    max_length = getattr(config, "max_position_embeddings", None) if config is not None else None
+    """A vision-language model's context and EOS live in its text config (Qwen2-VL's top-level
+    config has no ``max_position_embeddings``): the top level first, then the text config."""
+    configs = () if config is None else (config, text_config(config))
+    max_length = next((v for c in configs if (v := getattr(c, "max_position_embeddings", None))), None)
     eos = _as_ids(getattr(generation_config, "eos_token_id", None)) if generation_config is not None else ()
-    if not eos and config is not None:
-        eos = _as_ids(getattr(config, "eos_token_id", None))
+    for c in configs:
+        eos = eos or _as_ids(getattr(c, "eos_token_id", None))
     return ModelInfo(eos, int(max_length) if max_length else None)
 
 

@@ -12,6 +12,7 @@ import pytest
 from grpo_lightning.agents import AgentSettings
 from grpo_lightning.agents.examples import IncrementEnv, calculate
 from grpo_lightning.data.agent_wiring import wire_agent
+from grpo_lightning.data.prompt_format import tokenize_prompt
 from grpo_lightning.data.prompt_order import GenerationPlan
 from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
 from grpo_lightning.errors import ConfigError
@@ -141,3 +142,19 @@ def test_chat_template_setting_and_start_up_refusals(qwen, tmp_path):
     plain = build_char_tokenizer(chat_template=False)
     with pytest.raises(ConfigError, match="tools need a chat template"):
         AgentSampler(ScriptedSampler(lambda c, k: ""), Toolbox.of([calculate])).bind(Handle(plain))
+
+
+def test_a_prompt_whose_tool_schemas_overflow_the_context_is_refused_before_generating(qwen):
+    """The context check sees the prompt rendered with its tools: the schemas alone can overflow."""
+    _, tokenizer = qwen
+    rows = [{"prompt": [{"role": "user", "content": "3+4="}], "answer": "7"}] * 2
+    build, _ = builder(tokenizer, AgentSettings(tools=[calculate]), ["exact_match_reward"], dataset="unused.jsonl",
+                       script=lambda context, j: "7")
+    with_tools = len(build.sampler.render_prompt(rows[0]["prompt"], build.sampler.toolbox_for(None, None)))
+    text_only = len(tokenize_prompt(rows[0]["prompt"], tokenizer, KWARGS))
+    assert with_tools > text_only + 50
+    build.handle.max_context_length = text_only + 200 + 10  # room for the text and the completion, not the tools
+    with pytest.raises(ValueError, match=rf"row 0 \({with_tools} tokens with its tools\)") as err:
+        build.build(rows, [0, 0], None)
+    assert "max_completion_length=200" in str(err.value)
+    assert not build.sampler.inner.calls  # refused before the policy generated anything

@@ -39,15 +39,16 @@ class RecordBatches(pl.Callback):
         self.grids.append([g.tolist() for g in batch.model_inputs.rows.get("image_grid_thw", [])])  # Qwen-VL
 
 
-def fit(tmp_path, processor, *, model=None, max_steps=2, module_kwargs=None, callbacks=(), logger=False, **data_kwargs):
-    """Trains ``model`` (default: a tiny Qwen2-VL) on 4 image prompts; ``(module, trainer, weights
-    before, recorded image grids)``."""
+def fit(tmp_path, processor, *, model=None, max_steps=2, module_kwargs=None, callbacks=(), logger=False, sizes=SIZES,
+        **data_kwargs):
+    """Trains ``model`` (default: a tiny Qwen2-VL) on 4 image prompts (of ``sizes``); ``(module,
+    trainer, weights before, recorded image grids)``."""
     model = model if model is not None else qwen2_vl_model(processor.tokenizer)
     settings = {"learning_rate": 1e-2, "lr_scheduler_type": "constant", "gradient_checkpointing": False,
                 **(module_kwargs or {})}
     module = GRPOModule(model, tokenizer=processor, **settings)
     datamodule = RolloutDataModule(
-        write_image_prompts(tmp_path), reward_funcs=[length_reward], num_generations=2,
+        write_image_prompts(tmp_path, sizes=sizes), reward_funcs=[length_reward], num_generations=2,
         per_device_train_batch_size=4, generation=GenerationParams(max_completion_length=4), **data_kwargs,
     )
     recorder = RecordBatches()

@@ -24,14 +24,15 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
-def qwen2_vl_processor(tokenizer_dir: Path):
-    """A Qwen2-VL processor: 28x28-pixel patches merged 2x2, at most 56x56 pixels per image."""
+def qwen2_vl_processor(tokenizer_dir: Path, max_pixels: int = 56 * 56):
+    """A Qwen2-VL processor: 28x28-pixel patches merged 2x2, at most ``max_pixels`` per image
+    (56x56 by default: 4 image tokens)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     for token in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"):
         assert tokenizer.convert_tokens_to_ids(token) != tokenizer.unk_token_id, token
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels)
     return _image_only(Qwen2VLProcessor)(image_processor, tokenizer, chat_template=QWEN2_VL_TEMPLATE)
 
 
