@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from grpo_lightning.agents.environments import EnvironmentSet
 from grpo_lightning.agents.episode import AGENT_FIELDS, Episode
-from grpo_lightning.agents.tool_images import ImageTurn, image_tool_turn
+from grpo_lightning.agents.tool_images import ContextPrompt, ImageTurn, image_tool_turn
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.tools import (
@@ -39,6 +39,7 @@ from grpo_lightning.tools import (
 )
 from grpo_lightning.tools.templates import image_blocks
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
+from grpo_lightning.utils.processor_outputs import split_processor_outputs
 
 log = logging.getLogger(__name__)
 Generate = Callable[[Sequence[PromptInput], int, GenerationParams], list[Rollout]]
@@ -144,9 +145,32 @@ class AgentSampler(Sampler):
             return self.tools
         return self.tools | self.environments.toolbox(environment_name, instance)
 
-    def render_prompt(self, messages: Sequence[Mapping[str, Any]], toolbox: Toolbox) -> list[int]:
-        """The prompt's ids with ``toolbox``'s schemas, as the tool loop's template renders them."""
-        return self._template().render(messages, toolbox.schemas or None)
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]], toolbox: Toolbox,
+                      images: Sequence[Any] | None = None) -> list[int]:
+        """The prompt's ids with ``toolbox``'s schemas, as the tool loop's template renders them.
+
+        With ``images`` (the messages hold one ``{"type": "image"}`` part per image), a
+        vision-language policy's processor encodes the rendering: a
+        :class:`~grpo_lightning.agents.tool_images.ContextPrompt` with the expanded image tokens,
+        the pixel inputs and the raw images, which the episode's turns carry on.
+
+        Raises:
+            ConfigError: Images for a policy without a processor, or a sampler without image inputs.
+        """
+        template = self._template()
+        if not images:
+            return template.render(messages, toolbox.schemas or None)
+        processor = self._processor()
+        if processor is None:
+            raise ConfigError(
+                "the dataset rows have images but the policy's processing class is a plain tokenizer: set "
+                "model.tokenizer to the model's processor to train a vision-language agent, or drop the 'image'/'images' "
+                "column."
+            )
+        self._check_sampler_images("the dataset rows have images")
+        ids, inputs, token_fields = split_processor_outputs(
+            template.render_with_images(messages, toolbox.schemas or None, images, processor))
+        return ContextPrompt(ids, inputs, token_fields, images)
 
     def _template(self) -> ToolTurnTemplate:
         if self.template is None or self.parser is None:
@@ -227,17 +251,19 @@ class AgentSampler(Sampler):
         processor = self._processor()
         if processor is None or not any(image_blocks(m.get("content")) for m in messages):
             return template.tool_turn_ids(messages, names), None
-        if not getattr(self.inner, "supports_images", False):
-            raise ConfigError(
-                f"a tool returned images for a vision-language policy, but the sampler {type(self.inner).__name__} "
-                "does not take image inputs, so the next turn could not see them: use data.sampler: hf_generate, "
-                "vllm_colocate or vllm_server."
-            )
+        self._check_sampler_images("a tool returned images for a vision-language policy")
         try:
             turn = image_tool_turn(template, processor, messages, names)
         except TemplateError as err:
             raise ConfigError(f"data.agent: {err}") from err
         return turn.ids, turn
+
+    def _check_sampler_images(self, what: str) -> None:
+        if not getattr(self.inner, "supports_images", False):
+            raise ConfigError(
+                f"{what}, but the sampler {type(self.inner).__name__} does not take image inputs, so the policy "
+                "could not see them: use data.sampler: hf_generate, vllm_colocate or vllm_server."
+            )
 
     @staticmethod
     def _contexts(episodes: Sequence[Episode]) -> list[Any]:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from grpo_lightning.agents import AgentSampler, AgentSettings, EnvironmentSet, Episode, add_observation, resolve_tools
 from grpo_lightning.agents.settings import read_chat_template
+from grpo_lightning.data.multimodal import multimodal_messages, row_images
 from grpo_lightning.data.prompt_format import check_context_length
 from grpo_lightning.data.sampling import generate_checked
 from grpo_lightning.data.sources import is_conversational
@@ -103,9 +104,11 @@ class AgentBatch:
         prompt_ids: list[list[int]] = []
         for i, (row, toolbox) in enumerate(zip(self.rows, toolboxes)):
             same = i > 0 and self.environments is None and row_ids[i] == row_ids[i - 1]  # same prompt, same tools
-            prompt_ids.append(prompt_ids[-1] if same else sampler.render_prompt(row["prompt"], toolbox))
+            prompt_ids.append(prompt_ids[-1] if same else _render(sampler, row, row_ids[i], toolbox))
+        images = any(getattr(p, "images", None) for p in prompt_ids)
         check_context_length(prompt_ids, row_ids, settings.params.max_completion_length,
-                             getattr(handle, "max_context_length", None), counted=" with its tools")
+                             getattr(handle, "max_context_length", None),
+                             counted=" with its tools" + (", image tokens included" if images else ""))
         self.episodes = [Episode(ids, toolbox, env) for ids, toolbox, env in
                          zip(prompt_ids, toolboxes, self.environments or [None] * len(self.rows))]
         group = settings.num_generations if _runs_of(prompt_ids, settings.num_generations) else 1
@@ -143,6 +146,18 @@ def start_agent_batch(sampler: Sampler, rows: Sequence[dict[str, Any]]) -> tuple
     instances = envs.acquire(names)
     rows = [{**row, "prompt": add_observation(row["prompt"], envs.reset(env, row))} for row, env in zip(rows, instances)]
     return rows, AgentBatch(sampler, rows, names, instances)
+
+
+def _render(sampler: AgentSampler, row: dict[str, Any], row_id: int, toolbox: Any) -> list[int]:
+    """A row's prompt rendered with its tools; a row with images: with them, the image parts
+    opening its first user message (as for a dataset image prompt without tools)."""
+    images = row_images(row, row_id)
+    if images is None:
+        return sampler.render_prompt(row["prompt"], toolbox)
+    if not is_conversational(row["prompt"]):
+        raise ValueError(f"dataset row {row_id} has images and data.agent is set: the prompt must be a conversation "
+                         "(a list of messages) for the tool loop's chat template.")
+    return sampler.render_prompt(multimodal_messages(row["prompt"], len(images), row_id), toolbox, images)
 
 
 def _runs_of(prompt_ids: list[list[int]], size: int) -> bool:

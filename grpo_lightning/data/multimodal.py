@@ -162,15 +162,6 @@ def check_sampler_images(sampler: Any, prompts: Sequence[Any]) -> None:
         )
 
 
-def check_agent_images(agent: Any, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse dataset images in an agent (tool-calling) run: its loop renders text only."""
-    if agent is not None and any(row.get("image") is not None or row.get("images") for row in rows):
-        raise ValueError(
-            "the dataset rows have images but data.agent (tool calling) renders text only: images in agent runs are "
-            "not supported yet; drop the 'image'/'images' column or the agent settings."
-        )
-
-
 def attach_model_inputs(rollouts: list[Rollout], prompts: Sequence[Any], num_generations: int) -> list[Rollout]:
     """Give rollout ``i`` (the ``i % G``-th completion of ``prompts[i // G]``) its own one-row
     :class:`~grpo_lightning.types.RowInputs` of that prompt's model inputs."""

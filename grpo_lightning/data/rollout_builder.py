@@ -22,8 +22,7 @@ from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
 from grpo_lightning.data.multimodal import (
-    MultimodalPrompt, attach_model_inputs, check_agent_images, check_sampler_images, encode_row_prompt, image_column,
-    row_inputs_of,
+    MultimodalPrompt, attach_model_inputs, check_sampler_images, encode_row_prompt, image_column, row_inputs_of,
 )
 from grpo_lightning.data.prompt_format import check_context_length, decode_completions
 from grpo_lightning.data.prompt_order import GenerationPlan
@@ -176,7 +175,6 @@ class RolloutBuilder:
         """Generate and score this rank's ``rows`` (the first half of :meth:`build`)."""
         s, tokenizer = self.settings, self.handle.tokenizer
         rows, agent = start_agent_batch(self.sampler, rows)  # agents: each rollout's environment reset, its tools
-        check_agent_images(agent, rows)  # agent loops render text only
         prompts = [row["prompt"] for row in rows]
         rollouts = self._generate(rows, row_ids) if agent is None else agent.generate(self.handle, s, row_ids)
         completion_ids = [r.completion_ids for r in rollouts]

@@ -121,6 +121,22 @@ class ToolTurnTemplate:
         return render_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                           chat_template=self.chat_template, **self.kwargs)
 
+    def render_with_images(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                           images: Sequence[Any], processor: Any) -> Mapping[str, Any]:
+        """:meth:`render` for a prompt whose messages hold ``{"type": "image"}`` parts: the
+        template renders the text (``tools`` in the system part, one placeholder per image part)
+        and ``processor`` encodes it with ``images``, expanding each placeholder into the model's
+        image tokens. Returns the processor's outputs (``input_ids`` ``(1, L)``, pixel inputs)."""
+        continue_final = bool(messages) and messages[-1].get("role") == "assistant"
+        options: dict[str, Any] = {"add_generation_prompt": not continue_final, "continue_final_message": continue_final,
+                                   "tokenize": False, **self.kwargs}
+        if tools:
+            options["tools"] = list(tools)
+        if self.chat_template is not None:
+            options["chat_template"] = self.chat_template
+        text = self.tokenizer.apply_chat_template(list(messages), **options)
+        return processor(text=[text], images=[list(images)], return_tensors="pt")
+
     def lists_tools(self, tools: Sequence[dict[str, Any]]) -> bool:
         """Whether the template puts ``tools`` (their JSON schemas) into a prompt at all (DeepSeek-V3's
         ignores the ``tools`` argument: the tools must then be described in the system prompt)."""

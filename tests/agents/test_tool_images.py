@@ -306,3 +306,41 @@ def test_two_trainer_steps_with_a_tool_returning_images(tmp_path, processor):
         assert not (batch.loss_mask.bool() & tool_images).any()
     changed = {n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])}
     assert any("visual" in n for n in changed), "the vision tower got no update: the tool image did not reach the loss"
+
+
+def test_dataset_images_in_an_agent_run_reach_every_turn_and_the_batch(processor):
+    """A dataset row with an image, in a tool-calling run (the builder wired as for data.agent):
+    its prompt is rendered with the tool schemas *and* the image by the processor, the first turn
+    and the turn after the tool's image get the pixels, and the trained batch carries both images."""
+    from grpo_lightning.agents import AgentSettings
+    from grpo_lightning.data.agent_wiring import wire_agent
+    from grpo_lightning.data.prompt_order import GenerationPlan
+    from grpo_lightning.data.rollout_builder import Collective, RolloutBuilder, RolloutSettings
+    from grpo_lightning.rewards import RewardRunner, resolve_reward_funcs
+
+    tokenizer = load_tokenizer(processor)
+    settings = AgentSettings(tools=[look], parser="hermes", chat_template=TEMPLATE)
+    _, funcs, weights, agent = wire_agent(settings, "unused.jsonl", [saw_image], None, ImageScripted(), {})
+    handle = Handle(tokenizer, max_context_length=512)
+    agent.bind(handle)
+    plan = RolloutSettings(num_generations=2, plan=GenerationPlan(2, 1, 2, 2), gradient_accumulation_steps=1,
+                           params=GenerationParams(max_completion_length=200))
+    builder = RolloutBuilder(plan, agent, RewardRunner(resolve_reward_funcs(funcs), weights), handle, Collective())
+    rows = [{"prompt": [{"role": "user", "content": "What colour is the picture?"}], "image": PROMPT_IMAGE}] * 2
+    built = builder.build(rows, [0, 0], None)
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the picture?"}]}]
+    text = processor.apply_chat_template(messages, chat_template=TEMPLATE, tools=Toolbox.of([look]).schemas,
+                                         add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=[[PROMPT_IMAGE]], return_tensors="pt")
+    first = agent.inner.prompts[0]
+    assert len(first) == 1 and agent.inner.calls[0][1] == 2  # one prompt, its 2 completions as one group
+    assert list(first[0]) == expected["input_ids"][0].tolist()  # tools and the expanded image tokens
+    assert '"name": "look"' in tokenizer.decode(list(first[0]))
+    assert first[0].images == [PROMPT_IMAGE]
+    torch.testing.assert_close(first[0].model_inputs["pixel_values"], expected["pixel_values"], rtol=0, atol=0)
+    second = agent.inner.prompts[1]
+    assert [p.images for p in second] == [[PROMPT_IMAGE, TOOL_IMAGE]] * 2  # the prompt's image, then the tool's
+    batch = built.micro_batches[0]
+    assert [g.tolist() for g in batch.model_inputs.rows["image_grid_thw"]] == [[[1, 2, 4], [1, 4, 2]]] * 2
+    assert batch.generation_metrics["tools/call_frequency"] == 1.0

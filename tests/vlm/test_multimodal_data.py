@@ -128,12 +128,3 @@ def test_a_batch_mixing_image_and_text_rows_is_refused(tokenizer):
     rollouts = attach_model_inputs([Rollout(list(p), [1], True, 0) for p in (image, text)], [image, text], 1)
     with pytest.raises(ValueError, match="row 1 of a generation batch has no image"):
         row_inputs_of(rollouts)
-
-
-def test_images_in_an_agent_run_are_refused():
-    from grpo_lightning.data.multimodal import check_agent_images
-
-    with pytest.raises(ValueError, match="data.agent .* renders text only"):
-        check_agent_images(object(), [{"prompt": chat(), "image": "x.png"}])
-    check_agent_images(object(), [{"prompt": chat()}])  # text rows: fine
-    check_agent_images(None, [{"prompt": chat(), "image": "x.png"}])  # no agent: the image path
