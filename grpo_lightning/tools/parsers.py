@@ -5,7 +5,8 @@ Qwen2.5 and Qwen3 (Hermes format) write each call as ``<tool_call>\\n{"name": ..
 writes its calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each as
 ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`` (calls
 separated by a newline), after the turn's text. The other families (Qwen3.5/3.6 and Nemotron-3's
-XML functions, GLM-4, Llama 3.1/3.2, GPT-OSS, LFM2) are in :mod:`.family_parsers`. A parser is chosen by family name
+XML functions, GLM-4, Llama 3.1/3.2, GPT-OSS, LFM2) are in :mod:`.family_parsers`, Gemma 4 in
+:mod:`.gemma4_calls`. A parser is chosen by family name
 (``agent.parser: qwen3``), by the dotted path of a :class:`ToolCallParser` subclass, or detected
 from the chat template.
 
@@ -23,6 +24,7 @@ import re
 from grpo_lightning.tools.family_parsers import (
     GLM4ToolCallParser, GptOssToolCallParser, LFM2ToolCallParser, Llama3ToolCallParser, XMLFunctionToolCallParser,
 )
+from grpo_lightning.tools.gemma4_calls import Gemma4ToolCallParser
 from grpo_lightning.tools.tool_calls import (
     AssistantTurn, ToolCall, ToolCallParser, read_arguments, read_call, split_think,
 )
@@ -102,12 +104,14 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "llama3": Llama3ToolCallParser,  # Llama 3.1/3.2
     "gpt-oss": GptOssToolCallParser,
     "lfm2": LFM2ToolCallParser,  # LFM2/LFM2.5
+    "gemma4": Gemma4ToolCallParser,
 }
 
 # (family, markers that must all be in the template), tried in order: the more specific formats
 # first (GLM-4 and the XML format also write <tool_call>, and so do Qwen3's and Qwen2.5's).
 _DETECTION: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("deepseek-v3", ("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>")),
+    ("gemma4", (Gemma4ToolCallParser.template_marker,)),
     ("gpt-oss", ("<|channel|>", "<|call|>")),
     ("lfm2", ("<|tool_call_start|>",)),
     ("glm4", ("<tool_call>", "<arg_key>")),
@@ -166,7 +170,7 @@ def get_parser(spec: "str | ToolCallParser | None", chat_template: str | None) -
 
 
 __all__ = [
-    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "GLM4ToolCallParser", "GptOssToolCallParser",
+    "PARSERS", "AssistantTurn", "DeepSeekV3ToolCallParser", "GLM4ToolCallParser", "Gemma4ToolCallParser", "GptOssToolCallParser",
     "HermesToolCallParser", "LFM2ToolCallParser", "Llama3ToolCallParser", "Qwen3ToolCallParser", "ToolCall",
     "ToolCallParser", "XMLFunctionToolCallParser", "detect_family", "get_parser",
 ]  # fmt: skip

@@ -20,6 +20,8 @@ from grpo_lightning.tools.templates import TemplateError
 trl = pytest.importorskip("trl", reason="the real chat templates come from the trl package (dev extra)")
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
+GEMMA4_SPECIALS = ["<bos>", "<eos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                   "<tool_response|>", "<|tool>", "<tool|>", "<|channel>", "<channel|>", '<|"|>']
 # template file[/no-thinking]: (family, special tokens, end-of-turn tokens, prefix-preserving as the
 # model ships it); "/no-thinking" renders with chat_template_kwargs {"enable_thinking": False}.
 FAMILIES = {
@@ -38,6 +40,11 @@ FAMILIES = {
                             "<|eom_id|>", "<|python_tag|>"], ["<|eot_id|>", "<|eom_id|>"], True),
     "gptoss": ("gpt-oss", ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
                            "<|constrain|>"], ["<|call|>", "<|return|>", "<|end|>"], True),
+    # Gemma 4 ends a calling turn with <|tool_response> (the results follow in the same model turn),
+    # but for its v2 template, which closes the call turn (<turn|>) and opens a tool turn.
+    **{name: ("gemma4", GEMMA4_SPECIALS, ["<|tool_response>", "<turn|>"], True)
+       for name in ("gemma4", "gemma4_v3", "gemma4_v4", "gemma4_v5")},
+    "gemma4_v2": ("gemma4", GEMMA4_SPECIALS, ["<turn|>", "<|tool_response>"], True),
     "lfm2_2_5": ("lfm2", ["<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
                           "<|tool_response_start|>", "<|tool_response_end|>"], ["<|im_end|>"], True),
 }
@@ -127,10 +134,23 @@ def test_the_start_up_check_of_each_template(name, base_tokenizer_dir):
     ("lfm2", "<|tool_call_start|>[add(a=1, b=open('x'))]<|tool_call_end|>"),  # not a literal
     ("lfm2", "<|tool_call_start|>[add(1, 2)]<|tool_call_end|>"),  # positional arguments
     ("lfm2", "<|tool_call_start|>[add(a=1)]"),
+    ("gemma4", '<|tool_call>call:add{a:<|"|>unclosed}<tool_call|>'),  # a string without its closing delimiter
+    ("gemma4", "<|tool_call>call:add{a:1,b}<tool_call|>"),  # a key without a value
+    ("gemma4", "<|tool_call>call:add{a:1}"),  # unclosed block
+    ("gemma4", "<|tool_call>call:add[1, 2]<tool_call|>"),  # arguments not an object
 ])
 def test_unreadable_markup_is_a_plain_answer(family, text):
     turn = get_parser(family, None).parse(text)
     assert turn.malformed and turn.tool_calls == []
+
+
+def test_gemma4_strings_hold_any_character_and_thinking_comes_first():
+    turn = get_parser("gemma4", None).parse(
+        '<|channel>thought\nQuote it.<channel|>Sure.<|tool_call>call:say{text:<|"|>a, "b" {c}: [d]<|"|>,n:-2.5e3,'
+        'flags:[true,false],nested:{<|"|>k<|"|>:null}}<tool_call|>')
+    assert turn.reasoning_content == "Quote it." and turn.content == "Sure." and not turn.malformed
+    assert turn.tool_calls[0].arguments == {"text": 'a, "b" {c}: [d]', "n": -2500.0, "flags": [True, False],
+                                            "nested": {"k": None}}
 
 
 def test_reasoning_and_answer_channels():
