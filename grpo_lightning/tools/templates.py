@@ -166,8 +166,8 @@ class ToolTurnTemplate:
             TemplateError: When the processor renderings are not prefix-preserving.
         """
         images = [image for m in tool_messages for image in image_blocks(m.get("content"))]
-        messages = [{**m, "content": image_parts(m.get("content"))} for m in tool_messages]
-        assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
+        assistant, messages = self._exchange([{**m, "content": image_parts(m.get("content"))} for m in tool_messages],
+                                             call_names)
         before_text = self._render([_PROBE_USER, assistant], tokenize=False)
         after_text = self._render([_PROBE_USER, assistant, *messages], add_generation_prompt=True, tokenize=False)
         before = _first_row(processor(text=[before_text], return_tensors="pt")["input_ids"])
@@ -198,13 +198,27 @@ class ToolTurnTemplate:
     def _tool_turn_ids(self, history: Sequence[Mapping[str, Any]], tool_messages: Sequence[Mapping[str, Any]],
                        call_names: Sequence[str]) -> list[int]:
         """The tool turn after ``history`` + an assistant turn calling ``call_names``."""
-        messages = [{**m, "content": text_only(m.get("content"))} for m in tool_messages]
-        assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in messages])
+        assistant, messages = self._exchange([{**m, "content": text_only(m.get("content"))} for m in tool_messages],
+                                             call_names)
         after = self._render([*history, assistant, *messages], add_generation_prompt=True)
         before = self._cut_after_turn(self._render([*history, assistant]), after)
         if after[: len(before)] != before:
             raise _not_prefix_preserving("appending a tool message re-renders the earlier turns")
         return after[len(before):]
+
+    def _exchange(self, tool_messages: list[dict[str, Any]], call_names: Sequence[str]
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The probe assistant turn calling ``call_names`` and the tool messages that answer it.
+        A template that matches results to calls by ``tool_call_id`` (Gemma 4's: without ids every
+        result is named after the turn's last call) gets ids pairing them in order, call ``i`` with
+        result ``i`` (the loop's results come one per call, in call order); others render as given."""
+        assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in tool_messages])
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        if "tool_call_id" not in template or len(assistant["tool_calls"]) != len(tool_messages):
+            return assistant, tool_messages
+        for i, call in enumerate(assistant["tool_calls"]):
+            call["id"] = f"call_{i}"
+        return assistant, [{**m, "tool_call_id": f"call_{i}"} for i, m in enumerate(tool_messages)]
 
     def _cut_after_turn(self, ids: list[int], after: list[int]) -> list[int]:
         """``ids`` (a rendering ending with an assistant turn) up to and including that turn's

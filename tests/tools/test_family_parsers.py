@@ -215,3 +215,15 @@ def test_a_tool_loop_runs_with_each_shipped_prefix_preserving_template(name, bas
         {"role": "tool", "name": "add", "content": "sum=42"}]
     expected = tokenizer.decode(sampler.template.render(messages, tools=tools.schemas))
     assert tokenizer.decode(rollout.prompt_ids + rollout.completion_ids[: tool_part[-1] + 1]) == expected
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_v3", "gemma4_v4", "gemma4_v5"])
+def test_gemma4_names_each_result_after_its_own_call(name, base_tokenizer_dir):
+    """These templates find a result's call by ``tool_call_id`` (without ids every result takes the
+    turn's last call's name): the tool turn pairs call i with result i."""
+    family, tokenizer, template, ends, _, kwargs = _family(name, base_tokenizer_dir)
+    check = ToolTurnTemplate(tokenizer, [tokenizer.convert_tokens_to_ids(t) for t in ends], kwargs, chat_template=template)
+    results = [{"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "lookup", "content": "sunny"}]
+    text = tokenizer.decode(check.tool_turn_ids(results, ["add", "lookup"]))
+    assert text.index("response:add{") < text.index("response:lookup{"), text
+    assert text.count("response:lookup{") == 1
