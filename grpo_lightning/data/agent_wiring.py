@@ -105,10 +105,8 @@ class AgentBatch:
         for i, (row, toolbox) in enumerate(zip(self.rows, toolboxes)):
             same = i > 0 and self.environments is None and row_ids[i] == row_ids[i - 1]  # same prompt, same tools
             prompt_ids.append(prompt_ids[-1] if same else _render(sampler, row, row_ids[i], toolbox))
-        images = any(getattr(p, "images", None) for p in prompt_ids)
         check_context_length(prompt_ids, row_ids, settings.params.max_completion_length,
-                             getattr(handle, "max_context_length", None),
-                             counted=" with its tools" + (", image tokens included" if images else ""))
+                             getattr(handle, "max_context_length", None), counted=" with its tools")
         self.episodes = [Episode(ids, toolbox, env) for ids, toolbox, env in
                          zip(prompt_ids, toolboxes, self.environments or [None] * len(self.rows))]
         group = settings.num_generations if _runs_of(prompt_ids, settings.num_generations) else 1
@@ -154,9 +152,6 @@ def _render(sampler: AgentSampler, row: dict[str, Any], row_id: int, toolbox: An
     images = row_images(row, row_id)
     if images is None:
         return sampler.render_prompt(row["prompt"], toolbox)
-    if not is_conversational(row["prompt"]):
-        raise ValueError(f"dataset row {row_id} has images and data.agent is set: the prompt must be a conversation "
-                         "(a list of messages) for the tool loop's chat template.")
     return sampler.render_prompt(multimodal_messages(row["prompt"], len(images), row_id), toolbox, images)
 
 

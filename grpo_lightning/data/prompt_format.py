@@ -106,7 +106,8 @@ def check_context_length(
         row_ids: The dataset row of each entry (named in the error).
         max_completion_length: ``data.generation.max_completion_length``.
         max_context_length: The model's context (``max_position_embeddings``); ``None`` skips the check.
-        counted: What the lengths hold beyond the text, for the message (e.g. " with its tools").
+        counted: What the lengths hold beyond the text, for the message (e.g. " with its tools");
+            prompts that carry images (``.images``) add ", image tokens included".
 
     Raises:
         ValueError: Naming the first rows that do not fit, their lengths and the fixes.
@@ -126,6 +127,8 @@ def check_context_length(
             too_long[row] = len(ids)
     if not too_long:
         return
+    if any(getattr(ids, "images", None) for ids in prompt_ids):  # MultimodalPrompt / ContextPrompt
+        counted += ", image tokens included"
     shown = ", ".join(f"row {row} ({length} tokens{counted})" for row, length in list(too_long.items())[:5])
     longest = max(too_long.values())
     fix = (

@@ -22,7 +22,7 @@ from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
 from grpo_lightning.data.multimodal import (
-    MultimodalPrompt, attach_model_inputs, check_sampler_images, encode_row_prompt, image_column, row_inputs_of,
+    attach_model_inputs, check_sampler_images, encode_row_prompt, image_column, row_inputs_of,
 )
 from grpo_lightning.data.prompt_format import check_context_length, decode_completions
 from grpo_lightning.data.prompt_order import GenerationPlan
@@ -298,10 +298,8 @@ class RolloutBuilder:
         """Before any compute: the sampler takes the prompts' images, and each prompt (its image
         tokens counted) leaves room for ``max_completion_length`` in the model's context."""
         check_sampler_images(self.sampler, prompts)
-        images = any(isinstance(p, MultimodalPrompt) for p in prompts)
         check_context_length(prompts, row_ids, self.settings.params.max_completion_length,
-                             getattr(self.handle, "max_context_length", None),  # None: the model states no limit
-                             counted=", image tokens included" if images else "")
+                             getattr(self.handle, "max_context_length", None))  # None: the model states no limit
 
     def _pad(self, rollouts: list[Rollout], advantages: torch.Tensor, device: torch.device) -> RolloutBatch:
         s, tokenizer = self.settings, self.handle.tokenizer

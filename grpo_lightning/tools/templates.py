@@ -42,21 +42,29 @@ def _probe_assistant(names: Sequence[str]) -> dict[str, Any]:
     return {"role": "assistant", "content": "", "tool_calls": calls}
 
 
-def render_ids(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
-    add_generation_prompt: bool = False, chat_template: str | None = None, **kwargs: Any,
-) -> list[int]:
-    """``apply_chat_template`` as token ids (a final assistant message is continued, as for prompts)."""
+def _chat_options(messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                  add_generation_prompt: bool, chat_template: str | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``apply_chat_template``'s options (but ``tokenize``): with ``add_generation_prompt``, a
+    final assistant message is continued instead of a new turn opened."""
     continue_final = bool(messages) and messages[-1].get("role") == "assistant" and add_generation_prompt
     options: dict[str, Any] = {
         "add_generation_prompt": add_generation_prompt and not continue_final,
-        "continue_final_message": continue_final,
-        "tokenize": True, "return_dict": False, **kwargs,
+        "continue_final_message": continue_final, **kwargs,
     }  # fmt: skip
     if tools:
         options["tools"] = list(tools)
     if chat_template is not None:
         options["chat_template"] = chat_template
+    return options
+
+
+def render_ids(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False, chat_template: str | None = None, **kwargs: Any,
+) -> list[int]:
+    """``apply_chat_template`` as token ids (a final assistant message is continued, as for prompts)."""
+    options = {"tokenize": True, "return_dict": False, **_chat_options(messages, tools, add_generation_prompt,
+                                                                       chat_template, kwargs)}
     ids = tokenizer.apply_chat_template(list(messages), **options)
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]
@@ -114,6 +122,9 @@ class ToolTurnTemplate:
         self.kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tools", "chat_template")}
         self.chat_template = chat_template
         self.max_calls_per_turn = max_calls_per_turn
+        # Gemma 4's templates find a tool result's call by tool_call_id (see _exchange).
+        template_text = chat_template or getattr(tokenizer, "chat_template", None)
+        self.pairs_results_by_id = isinstance(template_text, str) and "tool_call_id" in template_text
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> list[int]:
@@ -127,13 +138,7 @@ class ToolTurnTemplate:
         template renders the text (``tools`` in the system part, one placeholder per image part)
         and ``processor`` encodes it with ``images``, expanding each placeholder into the model's
         image tokens. Returns the processor's outputs (``input_ids`` ``(1, L)``, pixel inputs)."""
-        continue_final = bool(messages) and messages[-1].get("role") == "assistant"
-        options: dict[str, Any] = {"add_generation_prompt": not continue_final, "continue_final_message": continue_final,
-                                   "tokenize": False, **self.kwargs}
-        if tools:
-            options["tools"] = list(tools)
-        if self.chat_template is not None:
-            options["chat_template"] = self.chat_template
+        options = {"tokenize": False, **_chat_options(messages, tools, True, self.chat_template, self.kwargs)}
         text = self.tokenizer.apply_chat_template(list(messages), **options)
         return processor(text=[text], images=[list(images)], return_tensors="pt")
 
@@ -213,8 +218,7 @@ class ToolTurnTemplate:
         result is named after the turn's last call) gets ids pairing them in order, call ``i`` with
         result ``i`` (the loop's results come one per call, in call order); others render as given."""
         assistant = _probe_assistant(call_names or [m.get("name", "tool") for m in tool_messages])
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None) or ""
-        if "tool_call_id" not in template or len(assistant["tool_calls"]) != len(tool_messages):
+        if not self.pairs_results_by_id or len(assistant["tool_calls"]) != len(tool_messages):
             return assistant, tool_messages
         for i, call in enumerate(assistant["tool_calls"]):
             call["id"] = f"call_{i}"

@@ -11,7 +11,7 @@ from grpo_lightning.module.model_info import read_model_info
 from tests.vlm.test_vlm_training import fit
 from tests.vlm.tiny_vlm import color_image, qwen2_vl_model, qwen2_vl_processor
 
-IMAGE_SIZE = (224, 224)  # at 224x224 pixels: 8x8 patches of 28 pixels merged 2x2 -> 64 image tokens
+IMAGE_SIZE = (224, 224)  # 16x16 patches of 14 pixels, merged 2x2 -> 64 image tokens
 
 
 @pytest.fixture
