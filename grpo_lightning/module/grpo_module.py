@@ -375,11 +375,13 @@ class GRPOModule(pl.LightningModule):
     def export(self, directory: str) -> None:
         """Save the policy and its tokenizer with ``save_pretrained`` (loadable by transformers).
 
-        Collective under sharding: every rank gathers its shards, global rank 0 writes. A PEFT
-        policy: the merged model in ``directory``, the adapter in ``directory/adapter``."""
+        Collective under sharding: every rank gathers its shards, global rank 0 writes, and no rank
+        returns before the folder is written. A PEFT policy: the merged model in ``directory``, the
+        adapter in ``directory/adapter``."""
         state = full_state_dict(self.policy, self._trainer and self.trainer.strategy)
-        if self._trainer is not None and not self.trainer.is_global_zero:
-            return
-        export_policy(self.policy, state, directory, self.tokenizer, self._load_base,
-                      is_peft=self.model_settings.peft_config is not None)
+        if self._trainer is None or self.trainer.is_global_zero:
+            export_policy(self.policy, state, directory, self.tokenizer, self._load_base,
+                          is_peft=self.model_settings.peft_config is not None)
+        if self._trainer is not None:
+            self.trainer.strategy.barrier("final model exported")  # every rank's fit returns with it on disk
 

@@ -191,10 +191,10 @@ class GRPOTrainer:
                     token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
         """Save the model to ``<output_dir>/final_model`` with a model card and upload that folder to
         ``args.hub_model_id`` (default: the output folder's name) with ``huggingface_hub``."""
+        folder = os.path.join(self.args.output_dir, "final_model")
+        self.save_model(folder, _internal_call=True)  # every rank: the export is collective
         if self._cli is not None and not self._cli.trainer.is_global_zero:
             return None
-        folder = os.path.join(self.args.output_dir, "final_model")
-        self.save_model(folder, _internal_call=True)
         model_card(folder, self, **kwargs)
         self.callback_handler.push_begin()
         return upload(folder, self.args, commit_message=commit_message, blocking=blocking, token=token,

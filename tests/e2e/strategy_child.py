@@ -69,6 +69,7 @@ def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          gradient_clip_val=1.0, callbacks=[record], default_root_dir=out_dir)
     trainer.fit(module, data)
+    assert Path(out_dir, "final_model", "config.json").exists(), "fit returned before rank 0 exported the model"
     result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS}
     Path(out_dir, f"result_{trainer.global_rank}.json").write_text(json.dumps(result))
     trainer.strategy.barrier("results written")  # no rank tears the group down under a peer's message
