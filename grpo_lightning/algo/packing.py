@@ -6,12 +6,18 @@ real completion token (``completion_mask == 1``): each real token attends to the
 before it in its own row, and its position id is the number of those tokens (the plain path's
 ``cumsum(mask) - 1``).
 
+Layouts are planned on the host: the batch's ids and masks cross to the CPU in one transfer
+(:func:`host_copy`, one device sync on CUDA), every data-dependent step (which tokens are real,
+the bin packing, the index maps) runs there, and the finished tensors go back with
+``non_blocking`` copies. On a GPU no layout step waits for the kernels already queued (a
+boolean-mask index or ``nonzero`` on device tensors would, once each).
+
 Layer L0: pure torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -31,6 +37,8 @@ class TokenLayout:
             predicts each real completion token.
         target_ids: ``(M,)`` those completion tokens.
         output_index: ``(M,)`` flat index into the ``(B·T)`` completion grid where each result goes.
+        host_position_ids: a CPU copy of ``position_ids`` for the packed layouts (the varlen
+            kernel's sequence offsets are read from it without a device sync), else ``None``.
     """
 
     input_ids: torch.Tensor
@@ -39,11 +47,30 @@ class TokenLayout:
     predict_index: torch.Tensor
     target_ids: torch.Tensor
     output_index: torch.Tensor
+    host_position_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """Number of completion tokens scored (``M``)."""
         return int(self.target_ids.numel())
+
+
+def host_copy(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """CPU copies of integer (or 0/1 mask) tensors in one device-to-host transfer (on CPU a copy
+    of a few hundred kilobytes: one code path everywhere).
+
+    >>> ids, mask = host_copy(torch.tensor([[5, 6]]), torch.tensor([[True, False]]))
+    >>> ids.tolist(), mask.tolist()
+    ([[5, 6]], [[True, False]])
+    """
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).to("cpu", copy=True)  # the one sync on CUDA
+    parts = flat.split([t.numel() for t in tensors])
+    return tuple(part.view(t.shape).to(t.dtype) for part, t in zip(parts, tensors))
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-planned tensor on ``device`` without waiting for the device (``non_blocking``)."""
+    return tensor.to(device, non_blocking=True)
 
 
 def is_left_padded(mask: torch.Tensor) -> bool:
@@ -69,18 +96,6 @@ def is_right_padded(mask: torch.Tensor) -> bool:
     return bool(((mask != 0) == expected).all())
 
 
-def _completion_targets(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, prompt_width: int, total_width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows/cols of the real completion tokens, the column of the state predicting each, targets
-    and output indices."""
-    rows, cols = (completion_mask != 0).nonzero(as_tuple=True)
-    predictor_cols = prompt_width + cols - 1  # column in the (B, Tp+T) concatenation
-    targets = completion_ids[rows, cols]
-    output_index = rows * completion_ids.shape[1] + cols
-    return rows, predictor_cols, targets, output_index
-
-
 def padded_layout(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -99,15 +114,16 @@ def padded_layout(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_width, total_width = prompt_ids.shape[1], input_ids.shape[1]
-    rows, predictor_cols, targets, output_index = _completion_targets(
-        completion_ids, completion_mask, prompt_width, total_width
-    )
+    device = completion_ids.device
+    (host_mask,) = host_copy(completion_mask)
+    rows, cols = (host_mask != 0).nonzero(as_tuple=True)
+    output_index = to_device(rows * completion_ids.shape[1] + cols, device)
     return TokenLayout(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        predict_index=rows * total_width + predictor_cols,
-        target_ids=targets,
+        predict_index=to_device(rows * total_width + prompt_width + cols - 1, device),
+        target_ids=completion_ids.reshape(-1).index_select(0, output_index),
         output_index=output_index,
     )
 
@@ -145,6 +161,7 @@ def packed_layout(
     *,
     row_tokens: int | None = None,
     pad_token_id: int = 0,
+    device: torch.device | None = None,
 ) -> TokenLayout | None:
     """Padding-free layout: the real tokens of each sequence (prompt + completion), packed end to
     end with position ids restarting at 0 per sequence.
@@ -155,6 +172,9 @@ def packed_layout(
     ``max(row_tokens, longest sequence)`` tokens, which bounds the attention cost of mask-based
     kernels. Unused slots at the end of a row hold ``pad_token_id`` with position 0, so each is
     its own one-token sequence; no state of theirs is read.
+
+    The layout is planned on CPU copies of the four tensors (one transfer) and placed on
+    ``device`` (default: the tensors' own); given CPU copies and the device, nothing is copied back.
 
     Returns ``None`` when a real completion token is predicted by a padding position of the
     padded batch (a completion after an empty prompt, or a gap in the masks): the plain path
@@ -167,55 +187,54 @@ def packed_layout(
     >>> lay.predict_index.tolist(), lay.target_ids.tolist(), lay.output_index.tolist()
     ([0, 1, 4], [8, 9, 3], [0, 1, 2])
     """
-    device = prompt_ids.device
+    device = prompt_ids.device if device is None else device
+    prompt_ids, prompt_mask, completion_ids, completion_mask = host_copy(
+        prompt_ids, prompt_mask, completion_ids, completion_mask
+    )
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, Tp+T)
     real = torch.cat([prompt_mask, completion_mask], dim=1) != 0
     has_completion = (completion_mask != 0).any(1)
     real &= has_completion.unsqueeze(1)  # drop rows with nothing to score
-    prompt_width, total_width = prompt_ids.shape[1], input_ids.shape[1]
+    prompt_width = prompt_ids.shape[1]
     position = real.long().cumsum(1) - 1  # (B, Tp+T): position of each real token
-    lengths = real.sum(1)  # (B,)
+    lengths = real.sum(1).tolist()  # (B,)
 
     kept = has_completion.nonzero(as_tuple=True)[0].tolist()
-    kept_lengths = lengths[kept].tolist() if kept else []
     if row_tokens is None:
         bins = [kept] if kept else []
     else:
-        bins = [[kept[j] for j in b] for b in first_fit_decreasing(kept_lengths, row_tokens)]
+        bins = [[kept[j] for j in b] for b in first_fit_decreasing([lengths[i] for i in kept], row_tokens)]
     num_rows = max(len(bins), 1)
-    row_of = torch.zeros(input_ids.shape[0], dtype=torch.long)
-    start_of = torch.zeros(input_ids.shape[0], dtype=torch.long)
+    row_of, start_of = [0] * len(lengths), [0] * len(lengths)
     width = 1
-    lengths_cpu = lengths.cpu()
     for r, members in enumerate(bins):
         offset = 0
         for i in members:
             row_of[i], start_of[i] = r, offset
-            offset += int(lengths_cpu[i])
+            offset += lengths[i]
         width = max(width, offset)
-    row_of, start_of = row_of.to(device), start_of.to(device)
 
-    dest = row_of.unsqueeze(1) * width + start_of.unsqueeze(1) + position  # (B, Tp+T)
+    dest = (torch.tensor(row_of) * width + torch.tensor(start_of)).unsqueeze(1) + position  # (B, Tp+T)
     dest = torch.where(real, dest, torch.full_like(dest, -1))
-    flat_ids = torch.full((num_rows * width,), pad_token_id, dtype=input_ids.dtype, device=device)
-    flat_pos = torch.zeros(num_rows * width, dtype=torch.long, device=device)
+    flat_ids = torch.full((num_rows * width,), pad_token_id, dtype=input_ids.dtype)
+    flat_pos = torch.zeros(num_rows * width, dtype=torch.long)
     flat_ids[dest[real]] = input_ids[real]
     flat_pos[dest[real]] = position[real]
 
-    rows, predictor_cols, targets, output_index = _completion_targets(
-        completion_ids, completion_mask, prompt_width, total_width
-    )
-    predict_index = dest[rows, predictor_cols.clamp(min=0)]
-    predict_index = torch.where(predictor_cols >= 0, predict_index, torch.full_like(predict_index, -1))
+    rows, cols = (completion_mask != 0).nonzero(as_tuple=True)
+    predictor_cols = prompt_width + cols - 1  # column in the (B, Tp+T) concatenation
+    predict_index = torch.where(predictor_cols >= 0, dest[rows, predictor_cols.clamp(min=0)], -1)
     if bool((predict_index < 0).any()):
         return None
+    host_positions = flat_pos.view(num_rows, width)
     return TokenLayout(
-        input_ids=flat_ids.view(num_rows, width),
-        position_ids=flat_pos.view(num_rows, width),
+        input_ids=to_device(flat_ids.view(num_rows, width), device),
+        position_ids=to_device(host_positions, device),
         attention_mask=None,
-        predict_index=predict_index,
-        target_ids=targets,
-        output_index=output_index,
+        predict_index=to_device(predict_index, device),
+        target_ids=to_device(completion_ids[rows, cols], device),
+        output_index=to_device(rows * completion_ids.shape[1] + cols, device),
+        host_position_ids=host_positions,
     )
 
 

@@ -24,7 +24,9 @@ from typing import Callable
 
 import torch
 
-from grpo_lightning.algo.packing import TokenLayout, first_fit_decreasing, is_right_padded, token_budget_groups
+from grpo_lightning.algo.packing import (
+    TokenLayout, first_fit_decreasing, host_copy, is_right_padded, to_device, token_budget_groups,
+)
 
 
 def prompt_units(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list[int]) -> list[list[int]]:
@@ -34,7 +36,8 @@ def prompt_units(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list
     >>> prompt_units(ids, (ids != 0).long(), [0, 1, 2, 3])
     [[0, 1, 3], [2]]
     """
-    ids, real = prompt_ids.cpu(), prompt_mask.cpu() != 0
+    ids, mask = host_copy(prompt_ids, prompt_mask)
+    real = mask != 0
     units: dict[tuple[int, ...], list[int]] = {}
     for i in rows:
         units.setdefault(tuple(ids[i][real[i]].tolist()), []).append(i)
@@ -80,6 +83,7 @@ def shared_prefix_layout(
     additive_mask: bool = False,
     pad_token_id: int = 0,
     accept: Callable[[int, int], bool] | None = None,
+    device: torch.device | None = None,
 ) -> TokenLayout | None:
     """Packed layout where rows with the same prompt share one copy of it.
 
@@ -104,6 +108,8 @@ def shared_prefix_layout(
         pad_token_id: token of the unused slots.
         accept: called with the planned ``(rows, width)`` before anything is built; ``False``
             returns ``None`` (the caller judged the wider shared rows too costly).
+        device: where the layout goes (default: the tensors' own). It is planned on CPU copies
+            of the four tensors (one transfer; none when they are given on CPU with ``device``).
 
     Two rows share the prompt ``[5, 6]``, a third has its own:
 
@@ -117,9 +123,9 @@ def shared_prefix_layout(
     >>> lay.attention_mask[0, 0].int().tolist()  # row 1's completion (slot 4) skips row 0's
     [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
     """
-    device = prompt_ids.device
-    p_ids, p_real = prompt_ids.cpu(), prompt_mask.cpu() != 0
-    c_ids, c_real = completion_ids.cpu(), completion_mask.cpu() != 0
+    device = prompt_ids.device if device is None else device
+    p_ids, p_mask, c_ids, c_mask = host_copy(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    p_real, c_real = p_mask != 0, c_mask != 0
     kept = c_real.any(1).nonzero(as_tuple=True)[0].tolist()
     if not kept or p_ids.shape[1] == 0:
         return None
@@ -168,18 +174,20 @@ def shared_prefix_layout(
 
     rows, cols = c_real.nonzero(as_tuple=True)
     predict_index = torch.where(cols == 0, first_predictor[rows], start[rows] + cols - 1)
-    mask = _unit_mask(unit_of.view(num_rows, width).to(device), branch_of.view(num_rows, width).to(device))
+    mask = _unit_mask(to_device(unit_of.view(num_rows, width), device), to_device(branch_of.view(num_rows, width), device))
     if additive_mask:
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(
             ~mask, torch.finfo(torch.float32).min
         )
+    host_positions = flat_pos.view(num_rows, width)
     return TokenLayout(
-        input_ids=flat_ids.view(num_rows, width).to(device),
-        position_ids=flat_pos.view(num_rows, width).to(device),
+        input_ids=to_device(flat_ids.view(num_rows, width), device),
+        position_ids=to_device(host_positions, device),
         attention_mask=mask,
-        predict_index=predict_index.to(device),
-        target_ids=c_ids[rows, cols].to(device),
-        output_index=(rows * c_ids.shape[1] + cols).to(device),
+        predict_index=to_device(predict_index, device),
+        target_ids=to_device(c_ids[rows, cols], device),
+        output_index=to_device(rows * c_ids.shape[1] + cols, device),
+        host_position_ids=host_positions,
     )
 
 

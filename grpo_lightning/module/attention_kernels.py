@@ -39,7 +39,7 @@ from grpo_lightning.algo.block_masks import (
     document_causal_mask_mod,
     sequence_ids,
 )
-from grpo_lightning.algo.packing import TokenLayout
+from grpo_lightning.algo.packing import TokenLayout, to_device
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,11 @@ def kernel_inputs(layout: TokenLayout, kernel: str) -> tuple[torch.Tensor | Any 
     if kernel == "varlen":
         if layout.attention_mask is not None:
             raise ValueError("the varlen kernel cannot run a shared-prefix layout (resolve_kernel picks flex)")
-        offsets, longest = cu_seqlens(layout.position_ids)
-        sequences = VarlenSequences(offsets, longest, sequence_ids(layout.position_ids))
+        # Offsets and the longest sequence from the host copy: max_seqlen is a Python int, and
+        # reading it from the device would wait for the queued kernels.
+        positions = layout.position_ids if layout.host_position_ids is None else layout.host_position_ids
+        offsets, longest = cu_seqlens(positions)
+        sequences = VarlenSequences(to_device(offsets, device), longest, to_device(sequence_ids(positions), device))
         # A 4-D placeholder: transformers' mask preparation passes 4-D masks through untouched
         # (no (W, W) mask is built); only the wrapper below reads the sequences.
         placeholder = torch.zeros((rows, 1, 0, 0), dtype=torch.bool, device=device)

@@ -52,11 +52,13 @@ from grpo_lightning.module.multimodal_forward import multimodal_logprobs
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
     TokenLayout,
+    host_copy,
     is_left_padded,
     is_right_padded,
     packed_layout,
     padded_layout,
     scatter_tokens,
+    to_device,
 )
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,10 @@ def _optimized_logprobs(
     with_entropy: bool,
     entropy_requires_grad: bool,
     options: ForwardOptions,
+    host: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``host``: CPU copies of the four batch tensors, when the caller has them (the packed
+    layouts are planned on them; otherwise they are copied here, once)."""
     args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
     parts = model_parts(model)
     if isinstance(parts, str):
@@ -148,10 +153,11 @@ def _optimized_logprobs(
                 "isolate packed sequences; using the padded batch."
             )
         else:
-            impl, batch = parts.attn_implementation, (prompt_ids, prompt_mask, completion_ids, completion_mask)
-            wanted = requested_kernel(options.attention_kernel, impl, parts.sliding_window, prompt_ids.device)
+            impl, device = parts.attn_implementation, prompt_ids.device
+            batch = host or host_copy(prompt_ids, prompt_mask, completion_ids, completion_mask)  # one sync
+            wanted = requested_kernel(options.attention_kernel, impl, parts.sliding_window, device)
             fast = wanted != "sdpa_mask"  # flex/varlen: one packed row, block-sparse cost
-            layout = packed_layout(*batch, row_tokens=None if fast else row_tokens)
+            layout = packed_layout(*batch, row_tokens=None if fast else row_tokens, device=device)
             if options.share_prompt_prefix and impl in _MASKED_ATTENTION and layout is not None:
                 # A shared row is wider (prompt + all its completions): its dense attention can
                 # outweigh the prompt tokens saved (long completions, small models).
@@ -160,10 +166,11 @@ def _optimized_logprobs(
                     *batch, row_tokens=SHARED_ROW_TOKENS if fast else row_tokens, max_row_tokens=parts.sliding_window,
                     additive_mask=impl == "eager",
                     accept=None if fast else lambda rows, width: decoder_cost(rows, width, parts) < unshared_cost,
+                    device=device,
                 )  # None: no prompt repeats, or not cheaper
                 layout = shared or layout
             if fast and layout is not None:
-                kernel = resolve_kernel(wanted, prompt_ids.device, shared=layout.attention_mask is not None)
+                kernel = resolve_kernel(wanted, device, shared=layout.attention_mask is not None)
             if layout is None:
                 log_once(
                     "Padding-free forward skipped for a batch where a completion token follows a padding "
@@ -223,38 +230,67 @@ def _token_budget_pass(
     with_entropy: bool,
     options: ForwardOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No-grad log-probs in token-budget groups, longest rows first, scattered back to row order."""
+    """No-grad log-probs in token-budget groups, longest rows first, scattered back to row order.
+
+    The groups are planned on one CPU copy of the batch, and each group's packed layout on its
+    slice of that copy: no group waits for the device."""
     budget = int(options.logprob_token_budget)
     per_group = replace(options, logprob_token_budget=None)
-    prompt_lengths, completion_lengths = (prompt_mask != 0).sum(1), (completion_mask != 0).sum(1)
-    trim = is_left_padded(prompt_mask) and is_right_padded(completion_mask)
+    host = host_copy(prompt_ids, prompt_mask, completion_ids, completion_mask)  # one sync
+    host_prompt_mask, host_completion_mask = host[1], host[3]
+    prompt_lengths, completion_lengths = (host_prompt_mask != 0).sum(1), (host_completion_mask != 0).sum(1)
+    trim = is_left_padded(host_prompt_mask) and is_right_padded(host_completion_mask)
     groups = budget_groups(
-        prompt_ids, prompt_mask, completion_mask, budget,
+        host[0], host_prompt_mask, host_completion_mask, budget,
         packed=options.padding_free, share_prompts=options.share_prompt_prefix,
     )
     num_rows, width = completion_ids.shape
     prompt_width = prompt_ids.shape[1]
     logps = torch.zeros((num_rows, width), dtype=torch.float32, device=completion_ids.device)
     entropies = torch.zeros_like(logps) if with_entropy else None
-    for rows in groups:
+    for host_rows in groups:
         keep_prompt, keep_completion = prompt_width, width
         if trim:  # padding of this group only
-            keep_prompt = min(max(int(prompt_lengths[rows].max()), 1), prompt_width)
-            keep_completion = max(int(completion_lengths[rows].max()), 1)
-        group_logps, group_entropies = completion_logprobs(
+            keep_prompt = min(max(int(prompt_lengths[host_rows].max()), 1), prompt_width)
+            keep_completion = max(int(completion_lengths[host_rows].max()), 1)
+        prompt_cols, completion_cols = slice(prompt_width - keep_prompt, None), slice(None, keep_completion)
+        group_host = tuple(t[host_rows][:, cols] for t, cols in zip(host, (prompt_cols,) * 2 + (completion_cols,) * 2))
+        rows = to_device(host_rows, completion_ids.device)
+        group_logps, group_entropies = _unbudgeted_logprobs(
             model,
-            prompt_ids[rows, prompt_width - keep_prompt :],
-            prompt_mask[rows, prompt_width - keep_prompt :],
-            completion_ids[rows, :keep_completion],
-            completion_mask[rows, :keep_completion],
+            prompt_ids[rows, prompt_cols],
+            prompt_mask[rows, prompt_cols],
+            completion_ids[rows, completion_cols],
+            completion_mask[rows, completion_cols],
             temperature,
-            with_entropy=with_entropy,
-            options=per_group,
+            with_entropy,
+            False,
+            per_group,
+            group_host,
         )
         logps[rows, :keep_completion] = group_logps.float()
         if entropies is not None and group_entropies is not None:
             entropies[rows, :keep_completion] = group_entropies.float()
     return logps, entropies
+
+
+def _unbudgeted_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    options: ForwardOptions,
+    host: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of the whole batch by the path ``options`` picks (``host``: its CPU copy)."""
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    if options.chunked_lm_head or options.padding_free:
+        return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options, host)
+    return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
 
 
 def completion_logprobs(
@@ -296,7 +332,5 @@ def completion_logprobs(
         return _token_budget_pass(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, options
         )
-    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
-    if options.chunked_lm_head or options.padding_free:
-        return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options)
-    return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
+    return _unbudgeted_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                                with_entropy, entropy_requires_grad, options)

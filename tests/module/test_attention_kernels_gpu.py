@@ -83,3 +83,28 @@ def test_chunk_calibration_picks_a_fitting_candidate_once():
     chunk = lm_head_calibration.resolve_chunk_tokens("auto", head, hidden)
     assert chunk in lm_head_calibration.CANDIDATES and head.weight.grad is None
     assert lm_head_calibration.resolve_chunk_tokens("auto", head, hidden) == chunk and len(lm_head_calibration._cache) == 1
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["packed", "shared-prefix"])
+def test_layouts_synchronize_once(share):
+    """A packed layout is planned from one host copy of the batch and placed with non_blocking
+    copies: one device synchronization (``torch.cuda.set_sync_debug_mode`` warns at each)."""
+    import warnings
+
+    from grpo_lightning.algo.packing import packed_layout
+    from grpo_lightning.algo.shared_prefix import shared_prefix_layout
+
+    batch = tuple(t.cuda() for t in (make_grouped() if share else make_batch())[:4])
+    build = shared_prefix_layout if share else packed_layout
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layout = build(*batch, row_tokens=64)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"{build.__name__}: {len(syncs)} synchronization(s)")
+    assert layout is not None and layout.input_ids.is_cuda
+    assert len(syncs) == 1, syncs
