@@ -250,8 +250,8 @@ class GRPOModule(pl.LightningModule):
         """Log-probs of the completion tokens → the policy loss → the step's metrics."""
         step = self._step_loss(batch, batch_idx)
         self._metrics.add(batch.generation_metrics)
-        self._metrics.add(reduce_metric_values(step.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
-        self._metrics.loss += step.value
+        self._metrics.add_micro_step(step.metrics, self._all_reduce if self.trainer.world_size > 1 else None)
+        self._metrics.loss = self._metrics.loss + step.value.float()  # read when the step closes (as HF Trainer's tr_loss)
         self._metrics.seconds += batch.prepare_seconds
         # The loss is in TRL's scale, which already divides by the step's accumulation count;
         # Lightning divides by accumulate_grad_batches again, so undo that here.
@@ -322,11 +322,11 @@ class GRPOModule(pl.LightningModule):
             self._publish_step_metrics(optimizer)
 
     def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
-        loss = self._metrics.loss
+        loss = torch.as_tensor(self._metrics.loss, dtype=torch.float32, device=self.device)
         if self.trainer.world_size > 1:
-            loss = float(self._all_reduce(torch.tensor(loss, device=self.device), "sum")) / self.trainer.world_size
+            loss = self._all_reduce(loss, "sum") / self.trainer.world_size
         once = {
-            "loss": loss,
+            "loss": float(loss),
             "step_time": self._metrics.step_seconds(),
             "grad_norm": self._grad_norm,
             "learning_rate": optimizer.param_groups[0]["lr"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -23,9 +23,9 @@ AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 CUMULATIVE_METRICS = frozenset({"num_tokens"})
 
 
-def reduce_metric_values(metrics: dict[str, MetricValue], all_reduce: AllReduce | None) -> dict[str, float]:
+def reduce_metric_values(metrics: dict[Hashable, MetricValue], all_reduce: AllReduce | None) -> dict[Hashable, float]:
     """Global values of loss-side metrics: ``Σ total / Σ count`` for means, min/max otherwise."""
-    out: dict[str, float] = {}
+    out: dict[Hashable, float] = {}
     for op in ("mean", "min", "max"):
         names = [n for n, m in metrics.items() if m.reduce == op]
         if not names:
@@ -94,17 +94,40 @@ class TrainingMetrics:
       (spec §4: generation metrics once per generation batch, loss metrics once per micro-step,
       ``loss``/``grad_norm``/``step_time``/... once per optimizer step).
 
-    ``loss`` and ``seconds`` accumulate the current step's TRL-scale loss and wall time (the
-    finished micro-batches' and the generation's); ``batch_started`` is when the running
-    micro-batch started.
+    ``loss`` and ``seconds`` accumulate the current step's TRL-scale loss (a detached tensor on
+    the device) and wall time (the finished micro-batches' and the generation's);
+    ``batch_started`` is when the running micro-batch started.
+
+    Loss-side metrics (:meth:`add_micro_step`) stay on the device until the step closes: they are
+    then reduced across ranks for all micro-steps in one collective per reduce op and read once.
+    Reading them per micro-step would wait, between each forward and its backward, for the
+    forward to finish (and, under DDP, for the slowest rank's).
     """
 
     def __init__(self) -> None:
         self._step = MetricsWindow()
         self._log = MetricsWindow()
-        self.loss = 0.0
+        self._pending: list[dict[str, MetricValue]] = []
+        self._all_reduce: AllReduce | None = None
+        self.loss: torch.Tensor | float = 0.0
         self.seconds = 0.0
         self.batch_started = 0.0
+
+    def add_micro_step(self, metrics: dict[str, MetricValue], all_reduce: AllReduce | None) -> None:
+        """One micro-step's loss-side metrics, kept unread (``all_reduce``: across ranks, or None)."""
+        self._pending.append({name: MetricValue(m.total.detach(), m.count.detach(), m.reduce)
+                              for name, m in metrics.items()})
+        self._all_reduce = all_reduce
+
+    def _resolve(self) -> None:
+        """The pending micro-steps' global values, each appended in micro-step order."""
+        if not self._pending:
+            return
+        merged = {(index, name): value for index, metrics in enumerate(self._pending) for name, value in metrics.items()}
+        values = reduce_metric_values(merged, self._all_reduce)  # the same keys in the same order on every rank
+        for index in range(len(self._pending)):
+            self.add({name: value for (i, name), value in values.items() if i == index})
+        self._pending.clear()
 
     def step_seconds(self) -> float:
         """The current step's wall time so far: ``seconds`` plus the running micro-batch's."""
@@ -116,21 +139,24 @@ class TrainingMetrics:
 
     def close_step(self, once_per_step: dict[str, float]) -> dict[str, float]:
         """Add the once-per-step values and return the finished step's metrics (NaNs dropped)."""
+        self._resolve()
         self.add(once_per_step)
         self.loss, self.seconds = 0.0, 0.0
         return {name: value for name, value in self._step.flush().items() if not math.isnan(value)}
 
     def flush_log(self) -> dict[str, float]:
         """The loggers' values since the last log (NaNs dropped), then cleared."""
+        self._resolve()
         return {name: value for name, value in self._log.flush().items() if not math.isnan(value)}
 
     def __bool__(self) -> bool:
-        return bool(self._log)
+        return bool(self._log) or bool(self._pending)
 
     def state_dict(self) -> dict[str, dict]:
         """The loggers' window since the last log: a run resumed from a checkpoint written between two
         logs (``log_every_n_steps > 1``) logs the same averages as one that never stopped. Taken at
         a step's end, where the step window is empty."""
+        self._resolve()
         return {"log": self._log.state_dict()}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:

@@ -29,16 +29,17 @@ class StepLoss:
         loss: The tensor handed back to Lightning for backward (the last part's loss when the
             micro-batch was trained in parts).
         metrics: Loss-side metrics of the whole micro-batch (sums and counts).
-        value: The micro-step's loss in TRL's scale (all parts), for logging.
+        value: The micro-step's loss in TRL's scale (all parts), for logging: a detached tensor,
+            read when the optimizer step closes (not between the forward and the backward).
     """
 
     loss: torch.Tensor
     metrics: dict[str, MetricValue]
-    value: float
+    value: torch.Tensor
 
     @classmethod
     def of(cls, out: LossOutput) -> "StepLoss":
-        return cls(out.loss, out.metrics, float(out.loss.detach()))
+        return cls(out.loss, out.metrics, out.loss.detach())
 
 
 def training_parts(batch: RolloutBatch, options: ForwardOptions) -> list[RolloutBatch]:
@@ -99,7 +100,7 @@ class PartsBackward:
             if index < len(parts) - 1:
                 trainer.strategy.backward(out.loss, None)
             outputs.append(out)
-        value = sum(float(o.loss.detach()) for o in outputs)
+        value = torch.stack([o.loss.detach() for o in outputs]).sum()
         return StepLoss(outputs[-1].loss, merge_metrics([o.metrics for o in outputs]), value)
 
     def skips_zero_grad(self, batch_idx: int) -> bool:
