@@ -256,38 +256,21 @@ def _token_budget_pass(
         prompt_cols, completion_cols = slice(prompt_width - keep_prompt, None), slice(None, keep_completion)
         group_host = tuple(t[host_rows][:, cols] for t, cols in zip(host, (prompt_cols,) * 2 + (completion_cols,) * 2))
         rows = to_device(host_rows, completion_ids.device)
-        group_logps, group_entropies = _unbudgeted_logprobs(
-            model,
-            prompt_ids[rows, prompt_cols],
-            prompt_mask[rows, prompt_cols],
-            completion_ids[rows, completion_cols],
-            completion_mask[rows, completion_cols],
-            temperature,
-            with_entropy,
-            False,
-            per_group,
-            group_host,
-        )
+        group = (model, prompt_ids[rows, prompt_cols], prompt_mask[rows, prompt_cols],
+                 completion_ids[rows, completion_cols], completion_mask[rows, completion_cols], temperature)
+        group_logps, group_entropies = _one_pass(group, with_entropy, False, per_group, group_host)
         logps[rows, :keep_completion] = group_logps.float()
         if entropies is not None and group_entropies is not None:
             entropies[rows, :keep_completion] = group_entropies.float()
     return logps, entropies
 
 
-def _unbudgeted_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    entropy_requires_grad: bool,
-    options: ForwardOptions,
+def _one_pass(
+    args: tuple, with_entropy: bool, entropy_requires_grad: bool, options: ForwardOptions,
     host: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward of the whole batch by the path ``options`` picks (``host``: its CPU copy)."""
-    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    """One forward of the whole batch by the path ``options`` picks. ``args``: the model, the four
+    batch tensors and the temperature; ``host``: the batch's CPU copy, when the caller has one."""
     if options.chunked_lm_head or options.padding_free:
         return _optimized_logprobs(*args, with_entropy, entropy_requires_grad, options, host)
     return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
@@ -332,5 +315,5 @@ def completion_logprobs(
         return _token_budget_pass(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy, options
         )
-    return _unbudgeted_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                                with_entropy, entropy_requires_grad, options)
+    args = (model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    return _one_pass(args, with_entropy, entropy_requires_grad, options)
