@@ -49,6 +49,7 @@ from grpo_lightning.module.model_parts import (
     ModelParts, accepts_logits_to_keep, decoder_cost, log_once, model_parts, transformers_model,
 )
 from grpo_lightning.module.multimodal_forward import multimodal_logprobs
+from grpo_lightning.module.sharding import call_as_forward, is_fsdp2_root
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
     TokenLayout,
@@ -180,10 +181,14 @@ def _optimized_logprobs(
         layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
     if layout.num_tokens == 0:  # nothing to score: keep the plain path's autograd graph
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
-    # (the mask path keeps the three-argument call that tests spy on)
-    hidden = _hidden_states(model, parts, layout) if kernel == "sdpa_mask" else _hidden_states(model, parts, layout, kernel)
-    return head_logprobs(parts, hidden, layout, completion_ids.shape, temperature, with_entropy,
-                         entropy_requires_grad, options)
+
+    def scored() -> tuple[torch.Tensor, torch.Tensor | None]:
+        # (the mask path keeps the three-argument call that tests spy on)
+        hidden = _hidden_states(model, parts, layout) if kernel == "sdpa_mask" else _hidden_states(model, parts, layout, kernel)
+        return head_logprobs(parts, hidden, layout, completion_ids.shape, temperature, with_entropy,
+                             entropy_requires_grad, options)
+
+    return call_as_forward(model, scored) if is_fsdp2_root(model) else scored()  # FSDP2: the root's hooks gather
 
 
 def head_logprobs(

@@ -93,11 +93,11 @@ class ForwardOptions:
         """The plain path: padded batch, full logits from the model (TRL's forward)."""
         return cls(chunked_lm_head=False, padding_free=False, share_prompt_prefix=False)
 
-    def under_fsdp2(self, strategy: str = "FSDP2") -> "ForwardOptions":
-        """These options for a policy sharded with FSDP2 (or FSDP1, DeepSpeed ZeRO-3: ``strategy``
-        names it in the log): the plain path. The optimized paths run the decoder and the LM head
-        outside the root module's forward, whose hooks gather FSDP2's root group (FSDP1 and ZeRO-3
-        only gather inside a module's forward too), so the model's own forward is used."""
+    def under_sharding(self, strategy: str) -> "ForwardOptions":
+        """These options for a policy sharded by FSDP1 or DeepSpeed ZeRO-3 (``strategy`` names it
+        in the log): the plain path. The optimized paths run the decoder and the LM head
+        themselves, and these strategies gather a module's weights only inside its own forward.
+        (FSDP2 keeps the optimized paths: they run as the root module's forward.)"""
         if not (self.chunked_lm_head or self.padding_free):
             return self
         log.info("%s: model.forward uses the plain path (full forward, no chunked LM head/packing).", strategy)

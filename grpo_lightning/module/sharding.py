@@ -15,7 +15,7 @@ only reachable through that root: the functions take the ``strategy`` to find it
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -30,6 +30,35 @@ def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp2_root(model: torch.nn.Module) -> bool:
+    """Whether ``model`` itself is an FSDP2 module (``fully_shard`` applied to it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def call_as_forward(model: torch.nn.Module, compute: Callable[[], Any]) -> Any:
+    """``compute()`` run as ``model``'s forward, through ``model.__call__`` and so its hooks.
+
+    The optimized forward paths call the decoder and the LM head themselves. Under FSDP2 the root
+    module's parameters (embeddings, final norm, LM head) are gathered by the root's forward
+    hooks, which also register the backward that reduce-scatters their gradients; the root keeps
+    them gathered from its forward through the backward. Running the paths as the root's forward
+    gives them whole weights exactly as the model's own forward would (the blocks gather their
+    own in their calls)."""
+    shadowed = model.__dict__.get("forward")
+    model.forward = lambda *args, **kwargs: compute()  # an instance attribute shadows the class's
+    try:
+        return model()
+    finally:
+        if shadowed is None:
+            del model.forward
+        else:
+            model.forward = shadowed
 
 
 def _fsdp1_root(model: torch.nn.Module, strategy: Any = None) -> Any:
@@ -62,7 +91,8 @@ def is_zero3_strategy(strategy: Any) -> bool:
 def plain_forward_reason(strategy: Any) -> str | None:
     """Why the policy must run its own ``forward`` (the plain path) under ``strategy``, or None:
     FSDP1 and ZeRO-3 keep parameters sharded outside a module's forward, and the optimized paths
-    read the LM head's weight outside it."""
+    read the LM head's weight outside it. (FSDP2 runs them as the root's forward:
+    :func:`call_as_forward`.)"""
     from lightning.pytorch.strategies import FSDPStrategy
 
     if isinstance(strategy, FSDPStrategy):

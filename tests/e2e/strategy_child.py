@@ -3,7 +3,8 @@
     python tests/e2e/strategy_child.py <ddp|fsdp2> <model_dir> <prompts> <out_dir>
 
 Each rank writes ``<out_dir>/result_<rank>.json`` (per-step grad norms, the lag of every rollout
-it trained on, and the micro-batch shuffle seed of each (rank, epoch, generation) it built); the
+it trained on, the micro-batch shuffle seed of each (rank, epoch, generation) it built, and how
+many log-prob forwards took the plain and the optimized path); the
 policy is exported to ``<out_dir>/final_model`` through the strategy.
 """
 
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import grpo_lightning.data.datamodule as datamodule_code  # noqa: E402
+import grpo_lightning.module.forward as forward_code  # noqa: E402
 from grpo_lightning.data import RolloutDataModule  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
@@ -51,6 +53,21 @@ def recording_shuffle_seed(seed: int, rank: int, epoch: int, generation: int) ->
 
 datamodule_code.shuffle_seed = recording_shuffle_seed
 
+PATHS = {"plain": 0, "optimized": 0}  # which log-prob forward ran (FSDP2 keeps the optimized one)
+_plain, _optimized = forward_code._plain_logprobs, forward_code._optimized_logprobs
+
+
+def counted(name, function):
+    def call(*args, **kwargs):
+        PATHS[name] += 1
+        return function(*args, **kwargs)
+
+    return call
+
+
+forward_code._plain_logprobs = counted("plain", _plain)
+forward_code._optimized_logprobs = counted("optimized", _optimized)
+
 
 def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None:
     pl.seed_everything(3)
@@ -70,7 +87,7 @@ def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None
                          gradient_clip_val=1.0, callbacks=[record], default_root_dir=out_dir)
     trainer.fit(module, data)
     assert Path(out_dir, "final_model", "config.json").exists(), "fit returned before rank 0 exported the model"
-    result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS}
+    result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS, "paths": PATHS}
     Path(out_dir, f"result_{trainer.global_rank}.json").write_text(json.dumps(result))
     trainer.strategy.barrier("results written")  # no rank tears the group down under a peer's message
 

@@ -1,6 +1,7 @@
 """The module under Lightning's sharding strategy: FSDP2 (``ModelParallelStrategy``, 2 gloo
-processes on CPU) trains exactly like DDP — same rollouts (lag 0), same global gradient norm,
-and the exported model, consolidated through the strategy, has the same weights."""
+processes on CPU) trains exactly like DDP — same rollouts (lag 0), the same optimized log-prob
+forward (chunked LM head, packing), same global gradient norm, and the exported model,
+consolidated through the strategy, has the same weights."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def test_fsdp2_trains_and_exports_like_ddp(tmp_path):
     fsdp2 = _run("fsdp2", model_dir, prompts, tmp_path / "fsdp2", 29612)
     for rank in (0, 1):  # every rollout trained on at the step that generated it
         assert set(ddp[rank]["lags"]) == {0} and set(fsdp2[rank]["lags"]) == {0}
+        # FSDP2 runs the chunked head and packing as the root module's forward, as DDP runs them
+        assert fsdp2[rank]["paths"] == ddp[rank]["paths"] and fsdp2[rank]["paths"]["plain"] == 0, fsdp2[rank]["paths"]
         assert len(ddp[rank]["lags"]) == 4 * 4  # 4 steps x 4 rows on each rank
     seeds = [tuple(s) for rank in (0, 1) for s in ddp[rank]["seeds"]]
     triples = {s[1:4] for s in seeds}
