@@ -254,12 +254,25 @@ class ToolTurnTemplate:
             )
         history = [_PROBE_USER, _probe_assistant(["probe"]), result]
         prompt = self._render(history, add_generation_prompt=True)
-        continued = self._render([*history, _probe_assistant(["probe"])])
+        next_turn = _probe_assistant(["probe"])
+        if self.opens_thinking():  # the model's turn then holds its reasoning, and so does the probe
+            next_turn["reasoning_content"] = "The probe answered."
+        continued = self._render([*history, next_turn])
         if continued[: len(prompt)] != prompt and not self._merges_at_the_boundary(prompt, continued):
             raise _not_prefix_preserving("appending an assistant turn after tool results re-renders the tool results")
         if self._tool_turn_ids(history, [result], ["probe"]) != first:
             raise _not_prefix_preserving("a second round's tool turn renders differently from the first round's")
 
+
+    def opens_thinking(self) -> bool:
+        """Whether the generation prompt opens a ``<think>`` block it does not close (Qwen3.5/3.6
+        and Nemotron-3 with thinking): the model's turn then starts with its reasoning, which the
+        template renders from ``reasoning_content`` in a past turn (a turn without it renders as
+        an empty ``<think></think>``, not what the model wrote after ``<think>\n``)."""
+        plain = self._render([_PROBE_USER], tokenize=False)
+        opened = self._render([_PROBE_USER], add_generation_prompt=True, tokenize=False)
+        tail = opened[len(plain):] if opened.startswith(plain) else opened
+        return "<think>" in tail and "</think>" not in tail.split("<think>")[-1]
 
     def _merges_at_the_boundary(self, prompt: list[int], continued: list[int]) -> bool:
         """Whether ``continued`` renders the same text as ``prompt`` and only the generation

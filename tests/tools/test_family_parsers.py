@@ -28,7 +28,7 @@ FAMILIES = {
     "qwen3_5_nothink": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "qwen3_5_think": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "qwen3_6": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
-    "nemotron_3_nano": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], False),
+    "nemotron_3_nano": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"], True),
     "nemotron_3_nano/no-thinking": ("qwen3.5", ["<think>", "</think>", "<tool_call>", "</tool_call>"], ["<|im_end|>"],
                                     True),
     "glm4moe": ("glm4", ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
@@ -190,8 +190,12 @@ def test_a_tool_loop_runs_with_each_shipped_prefix_preserving_template(name, bas
 
     family, tokenizer, template, ends, _, kwargs = _family(name, base_tokenizer_dir)
     tokenizer.eos_token = ends[0]  # the scripted turns end with it
-    call_text = _generated_text(tokenizer, template, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]}, ends, kwargs)
+    thinking = ToolTurnTemplate(tokenizer, [], kwargs, chat_template=template).opens_thinking()
+    # A generation prompt that opens <think> is followed by the model's reasoning, then the call.
+    call_turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}],
+        **({"reasoning_content": "I add them."} if thinking else {})}
+    call_text = _generated_text(tokenizer, template, call_turn, ends, kwargs)
     answer = "<|channel|>final<|message|>It is 42." if family == "gpt-oss" else "It is 42."
 
     def script(context, k):
@@ -210,9 +214,7 @@ def test_a_tool_loop_runs_with_each_shipped_prefix_preserving_template(name, bas
     assert tool_part and "sum=42" in tokenizer.decode([rollout.completion_ids[i] for i in tool_part])
     # Token in, token out: up to the answer, the trained ids are the template's own rendering of the
     # conversation (its call turn as generated, its tool turn, the next generation prompt).
-    messages = [{"role": "user", "content": "What is 40 + 2?"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]},
-        {"role": "tool", "name": "add", "content": "sum=42"}]
+    messages = [{"role": "user", "content": "What is 40 + 2?"}, call_turn, {"role": "tool", "name": "add", "content": "sum=42"}]
     expected = tokenizer.decode(sampler.template.render(messages, tools=tools.schemas))
     assert tokenizer.decode(rollout.prompt_ids + rollout.completion_ids[: tool_part[-1] + 1]) == expected
 
