@@ -302,7 +302,7 @@ class VLLMColocateSampler(Sampler):
         if reset_encoder is not None:  # image embeddings of the old weights must not be reused
             reset_encoder()
         if self.verify_weights:
-            probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
+            probe = WeightProbe.of_sampler(self, handle)  # built once, at the first push
             image_token = image_token_id(handle)
             probe.verify(handle, lambda ids: engine_prompt_logprobs(self.llm, ids), version=version,
                          differing_parameter=lambda: self._differing_parameter(handle),

@@ -247,7 +247,7 @@ class VLLMServerSampler(Sampler):
         if served != str(version):
             raise WeightSyncError(f"After pushing policy version {version} the server reports weight version {served!r}.")
         if self.verify_weights:
-            probe = WeightProbe.for_handle(handle, self.engine_dtype, tolerance=self.probe_tolerance)
+            probe = WeightProbe.of_sampler(self, handle)  # built once, at the first push
             image_token = image_token_id(handle)
             probe.verify(handle, client.prompt_logprobs, version=version,
                          engine_image_logprobs=lambda ids, images: client.prompt_logprobs(
@@ -263,7 +263,7 @@ class VLLMServerSampler(Sampler):
             for _ in weights:
                 pass
         if self.verify_weights:
-            WeightProbe.for_handle(handle, self.engine_dtype).run_trainer_forwards(handle)
+            WeightProbe.of_sampler(self, handle).run_trainer_forwards(handle)
         self._served_version = None
 
     def _sender(self) -> Any:

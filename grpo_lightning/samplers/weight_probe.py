@@ -184,6 +184,18 @@ class WeightProbe:
         image = ImageProbe.for_processor(getattr(handle.tokenizer, "processor", None))
         return cls(probe_token_ids(min(vocab, len(handle.tokenizer)), length), engine_dtype, tolerance, image)
 
+    @classmethod
+    def of_sampler(cls, sampler: Any, handle: PolicyHandle) -> "WeightProbe":
+        """A vLLM sampler's probe (its ``engine_dtype`` and ``probe_tolerance``), built at the first
+        push and kept: the ids and the encoded probe image stay the same through a run, only the
+        weights they go through change. Rebuilt if the tokenizer or the engine dtype changes."""
+        key = (id(handle.tokenizer), sampler.engine_dtype, sampler.probe_tolerance)
+        cached = sampler.__dict__.get("_weight_probe")
+        if cached is None or cached[0] != key:
+            cached = (key, cls.for_handle(handle, sampler.engine_dtype, tolerance=sampler.probe_tolerance))
+            sampler._weight_probe = cached
+        return cached[1]
+
     @torch.no_grad()
     def trainer_logprobs(self, handle: PolicyHandle) -> tuple[torch.Tensor, float]:
         """Log-probs of tokens ``1..L-1`` under the policy, ``(L-1,)`` float64, and the largest logit

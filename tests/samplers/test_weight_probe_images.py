@@ -75,3 +75,24 @@ def test_a_text_policy_has_no_image_probe():
     tokenizer = build_char_tokenizer(ALPHABET)
     module = built(GRPOModule(build_tiny_causal_lm(len(tokenizer)), tokenizer=tokenizer, save_final_model=False))
     assert WeightProbe.for_handle(module).image is None
+
+
+def test_a_sampler_encodes_its_probe_image_once(handle, monkeypatch):
+    """The vLLM samplers verify every push with the same probe: the image is encoded at the first."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.samplers import weight_probe
+
+    encodings = []
+    encode = weight_probe.ImageProbe.for_processor
+
+    def counted(processor):
+        encodings.append(processor)
+        return encode(processor)
+
+    monkeypatch.setattr(weight_probe.ImageProbe, "for_processor", staticmethod(counted))
+    sampler = SimpleNamespace(engine_dtype=torch.float32, probe_tolerance=None)
+    first = WeightProbe.of_sampler(sampler, handle)
+    assert WeightProbe.of_sampler(sampler, handle) is first and len(encodings) == 1
+    sampler.engine_dtype = torch.bfloat16  # another engine dtype: another tolerance, a new probe
+    assert WeightProbe.of_sampler(sampler, handle).engine_dtype == torch.bfloat16 and len(encodings) == 2
