@@ -67,3 +67,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def count_forward_paths() -> dict[str, int]:
+    """Counts, from now on in this process, the log-prob forwards that take the plain and the
+    optimized path (``module/forward.py``): for the multi-process children, whose strategies must
+    keep the optimized path."""
+    import grpo_lightning.module.forward as forward_code
+
+    paths = {"plain": 0, "optimized": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            paths[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    forward_code._plain_logprobs = counted("plain", forward_code._plain_logprobs)
+    forward_code._optimized_logprobs = counted("optimized", forward_code._optimized_logprobs)
+    return paths

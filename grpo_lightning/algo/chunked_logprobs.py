@@ -196,6 +196,12 @@ def _is_plain_linear(head: object) -> bool:
     return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
 
 
+def reads_head_weight(head: object, recompute: bool) -> bool:
+    """Whether :func:`chunked_head_logprobs` reads ``head.weight`` itself (the analytic backward of
+    a plain ``nn.Linear`` under grad) rather than calling ``head`` on each chunk."""
+    return recompute and torch.is_grad_enabled() and _is_plain_linear(head)
+
+
 def chunked_head_logprobs(
     hidden: torch.Tensor,
     token_ids: torch.Tensor,
@@ -250,7 +256,7 @@ def chunked_head_logprobs(
         return empty, (empty.clone() if with_entropy else None)
     step = total if chunk_tokens is None else max(int(chunk_tokens), 1)
     grad = torch.is_grad_enabled()
-    if recompute and grad and _is_plain_linear(head):
+    if reads_head_weight(head, recompute):
         logps, entropies = LinearHeadLogprobs.apply(
             hidden, head.weight, head.bias, token_ids, float(temperature), logit_scale, softcap, step,
             with_entropy, entropy_requires_grad,

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs
+from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs, reads_head_weight
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
 from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layout
 from grpo_lightning.module.attention_kernels import SHARED_ROW_TOKENS, kernel_inputs, requested_kernel, resolve_kernel
@@ -50,6 +50,7 @@ from grpo_lightning.module.model_parts import (
 )
 from grpo_lightning.module.multimodal_forward import multimodal_logprobs
 from grpo_lightning.module.sharding import call_as_forward, is_fsdp2_root
+from grpo_lightning.utils.zero3 import zero3_parameters
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.algo.packing import (
     TokenLayout,
@@ -185,8 +186,16 @@ def _optimized_logprobs(
     def scored() -> tuple[torch.Tensor, torch.Tensor | None]:
         # (the mask path keeps the three-argument call that tests spy on)
         hidden = _hidden_states(model, parts, layout) if kernel == "sdpa_mask" else _hidden_states(model, parts, layout, kernel)
-        return head_logprobs(parts, hidden, layout, completion_ids.shape, temperature, with_entropy,
-                             entropy_requires_grad, options)
+
+        def head_pass(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return head_logprobs(parts, states, layout, completion_ids.shape, temperature, with_entropy,
+                                 entropy_requires_grad, options)
+
+        # ZeRO-3: the chunked backward reads the head's weight, which the head module's hooks fetch
+        # for its forward and again for its backward (other heads are called per chunk: fetched then)
+        if zero3_parameters(parts.head) and reads_head_weight(parts.head, options.chunked_lm_head):
+            return call_as_forward(parts.head, head_pass, hidden)
+        return head_pass(hidden)
 
     return call_as_forward(model, scored) if is_fsdp2_root(model) else scored()  # FSDP2: the root's hooks gather
 

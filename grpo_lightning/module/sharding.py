@@ -41,19 +41,24 @@ def is_fsdp2_root(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def call_as_forward(model: torch.nn.Module, compute: Callable[[], Any]) -> Any:
-    """``compute()`` run as ``model``'s forward, through ``model.__call__`` and so its hooks.
+def call_as_forward(model: torch.nn.Module, compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)`` run as ``model``'s forward, through ``model.__call__`` and so its hooks.
 
-    The optimized forward paths call the decoder and the LM head themselves. Under FSDP2 the root
-    module's parameters (embeddings, final norm, LM head) are gathered by the root's forward
-    hooks, which also register the backward that reduce-scatters their gradients; the root keeps
-    them gathered from its forward through the backward. Running the paths as the root's forward
-    gives them whole weights exactly as the model's own forward would (the blocks gather their
-    own in their calls)."""
+    The optimized forward paths call the decoder and the LM head themselves, and a sharding
+    strategy gathers a module's weights in hooks around the module's own call:
+
+    * FSDP2: the root module's parameters (embeddings, final norm, LM head) are gathered by the
+      root's forward hooks, which also register the backward that reduce-scatters their gradients;
+      the root keeps them gathered from its forward through the backward. The paths run as the
+      root's forward (the blocks gather their own in their calls).
+    * DeepSpeed ZeRO-3: each module's hooks fetch its parameters for its forward, release them
+      after, and fetch them again before its backward (hooks on the outputs) and release them after
+      (hooks on the tensor inputs: pass them in ``args``). The chunked LM head runs as the head
+      module's forward, so its weight is whole in both passes."""
     shadowed = model.__dict__.get("forward")
-    model.forward = lambda *args, **kwargs: compute()  # an instance attribute shadows the class's
+    model.forward = lambda *inputs, **kwargs: compute(*inputs)  # an instance attribute shadows the class's
     try:
-        return model()
+        return model(*args)
     finally:
         if shadowed is None:
             del model.forward
@@ -90,14 +95,11 @@ def is_zero3_strategy(strategy: Any) -> bool:
 
 def plain_forward_reason(strategy: Any) -> str | None:
     """Why the policy must run its own ``forward`` (the plain path) under ``strategy``, or None:
-    FSDP1 and ZeRO-3 keep parameters sharded outside a module's forward, and the optimized paths
-    read the LM head's weight outside it. (FSDP2 runs them as the root's forward:
-    :func:`call_as_forward`.)"""
+    FSDP1 keeps flat parameters the optimized paths do not read (not tested: FSDP1 needs a GPU).
+    FSDP2 and ZeRO-3 run them through the modules' hooks (:func:`call_as_forward`)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    if isinstance(strategy, FSDPStrategy):
-        return "FSDP"
-    return "DeepSpeed ZeRO-3" if is_zero3_strategy(strategy) else None
+    return "FSDP" if isinstance(strategy, FSDPStrategy) else None
 
 
 @contextmanager

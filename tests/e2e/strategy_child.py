@@ -22,11 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import grpo_lightning.data.datamodule as datamodule_code  # noqa: E402
-import grpo_lightning.module.forward as forward_code  # noqa: E402
 from grpo_lightning.data import RolloutDataModule  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
-from tests.helpers import length_reward  # noqa: E402
+from tests.helpers import count_forward_paths, length_reward  # noqa: E402
 
 
 class Record(pl.Callback):
@@ -53,20 +52,7 @@ def recording_shuffle_seed(seed: int, rank: int, epoch: int, generation: int) ->
 
 datamodule_code.shuffle_seed = recording_shuffle_seed
 
-PATHS = {"plain": 0, "optimized": 0}  # which log-prob forward ran (FSDP2 keeps the optimized one)
-_plain, _optimized = forward_code._plain_logprobs, forward_code._optimized_logprobs
-
-
-def counted(name, function):
-    def call(*args, **kwargs):
-        PATHS[name] += 1
-        return function(*args, **kwargs)
-
-    return call
-
-
-forward_code._plain_logprobs = counted("plain", _plain)
-forward_code._optimized_logprobs = counted("optimized", _optimized)
+PATHS = count_forward_paths()  # which log-prob forward ran (FSDP2 keeps the optimized one)
 
 
 def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None:

@@ -6,8 +6,9 @@ Lightning refuses DeepSpeed without CUDA (``setup_environment``, the device-inde
 ``device_rank=None`` for DeepSpeed), so ``CPUDeepSpeed`` lifts exactly those three for this test;
 the rest — DeepSpeed's CPU accelerator, the engine, ZeRO partitioning, Lightning's loop driving it —
 is the real code. Every run: 2 optimizer steps of 2 accumulated micro-batches, the same seed.
-Writes ``<out_dir>/fits.json``: per run, the step metrics seen by a callback on every micro-step
-and the exported weights' largest difference from the single-device run's export.
+Writes ``<out_dir>/fits.json``: per run, the step metrics seen by a callback on every micro-step,
+how many log-prob forwards took the plain and the optimized path, and the exported weights'
+largest difference from the single-device run's export.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from grpo_lightning.losses import DAPOLoss  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
 from grpo_lightning.module.deepspeed_strategy import GRPODeepSpeedStrategy  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
-from tests.helpers import length_reward  # noqa: E402
+from tests.helpers import count_forward_paths, length_reward  # noqa: E402
+
+PATHS = count_forward_paths()
 
 
 class CPUDeepSpeed(GRPODeepSpeedStrategy):
@@ -80,8 +83,9 @@ def fit(strategy, model_dir: str, prompts: str, out: Path, beta: float) -> list[
                          accumulate_grad_batches=2, gradient_clip_val=1.0, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, callbacks=[record],
                          default_root_dir=str(out))
+    before = dict(PATHS)
     trainer.fit(module, data)
-    return record.steps
+    return record.steps, {k: PATHS[k] - before[k] for k in PATHS}
 
 
 def main(model_dir: str, prompts: str, out_dir: str) -> None:
@@ -96,9 +100,9 @@ def main(model_dir: str, prompts: str, out_dir: str) -> None:
     beta = float(os.environ.get("FIT_BETA", "0.04"))  # a reference model, partitioned like the policy
     result = {}
     for name, strategy in runs.items():
-        steps = fit(strategy(), model_dir, prompts, out / name, beta)
+        steps, paths = fit(strategy(), model_dir, prompts, out / name, beta)
         exported = load_file(out / name / "final_model" / "model.safetensors")
-        result[name] = {"steps": steps, "export": {k: list(v.shape) for k, v in exported.items()},
+        result[name] = {"steps": steps, "paths": paths, "export": {k: list(v.shape) for k, v in exported.items()},
                         "dtypes": sorted({str(v.dtype) for v in exported.values()})}
         if name != "single_device":
             base = load_file(out / "single_device" / "final_model" / "model.safetensors")

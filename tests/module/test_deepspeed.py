@@ -66,8 +66,9 @@ def test_zero3_engine_gathers_pushes_and_exports_whole_weights(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_fits_match_the_single_device_run(tmp_path):
     """ZeRO-2 and ZeRO-3 (gather on and off), 2 accumulated micro-batches per step, a partitioned
-    reference (beta 0.04): the same loss and grad_norm at the same steps, and the same exported
-    weights, as one device; Lightning's plain backward (the engine divides again) does not."""
+    reference (beta 0.04): the same optimized log-prob forward, the same loss and grad_norm at the
+    same steps, and the same exported weights, as one device; Lightning's plain backward (the
+    engine divides again) does not."""
     model_dir = make_model_dir(tmp_path / "model")
     prompts = write_prompts(tmp_path / "p.jsonl", num_rows=8)
     result = subprocess.run([sys.executable, str(HERE / "deepspeed_fit_child.py"), model_dir, prompts, str(tmp_path)],
@@ -76,7 +77,10 @@ def test_deepspeed_fits_match_the_single_device_run(tmp_path):
     fits = json.loads((tmp_path / "fits.json").read_text())
     base = fits["single_device"]["steps"]
     assert [s["global_step"] for s in base] == [0, 1, 1, 2] and fits["moved"] > 1e-2
+    assert fits["single_device"]["paths"]["plain"] == 0 and fits["single_device"]["paths"]["optimized"] > 0
     for name in ("zero3_gather", "zero3_sharded", "zero2"):
+        # ZeRO-3 runs the chunked head and packing too: the head as its module's forward
+        assert fits[name]["paths"] == fits["single_device"]["paths"], (name, fits[name]["paths"])
         steps = fits[name]["steps"]
         assert [s["global_step"] for s in steps] == [0, 1, 1, 2], name
         assert steps[0]["loss"] is None, f"{name}: metrics published before the window's last micro-step"
