@@ -101,9 +101,12 @@ def padded_layout(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    *,
+    host_completion_mask: torch.Tensor | None = None,
 ) -> TokenLayout:
     """The plain ``(B, Tp+T)`` padded batch, with position ids from the mask, scoring only the
-    real completion tokens.
+    real completion tokens (index maps from ``host_completion_mask``, a CPU copy of the mask
+    when the caller has one; otherwise it is copied here).
 
     >>> lay = padded_layout(torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]]),
     ...                     torch.tensor([[8, 9], [3, 0]]), torch.tensor([[1, 1], [1, 0]]))
@@ -115,7 +118,7 @@ def padded_layout(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     prompt_width, total_width = prompt_ids.shape[1], input_ids.shape[1]
     device = completion_ids.device
-    (host_mask,) = host_copy(completion_mask)
+    host_mask = host_copy(completion_mask)[0] if host_completion_mask is None else host_completion_mask
     rows, cols = (host_mask != 0).nonzero(as_tuple=True)
     output_index = to_device(rows * completion_ids.shape[1] + cols, device)
     return TokenLayout(

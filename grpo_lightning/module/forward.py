@@ -156,7 +156,7 @@ def _optimized_logprobs(
             )
         else:
             impl, device = parts.attn_implementation, prompt_ids.device
-            batch = host or host_copy(prompt_ids, prompt_mask, completion_ids, completion_mask)  # one sync
+            host = batch = host or host_copy(prompt_ids, prompt_mask, completion_ids, completion_mask)  # one sync
             wanted = requested_kernel(options.attention_kernel, impl, parts.sliding_window, device)
             fast = wanted != "sdpa_mask"  # flex/varlen: one packed row, block-sparse cost
             layout = packed_layout(*batch, row_tokens=None if fast else row_tokens, device=device)
@@ -179,7 +179,8 @@ def _optimized_logprobs(
                     "position (empty prompt or gaps in the masks); using the padded batch."
                 )
     if layout is None:
-        layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        layout = padded_layout(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                               host_completion_mask=None if host is None else host[3])
     if layout.num_tokens == 0:  # nothing to score: keep the plain path's autograd graph
         return _plain_logprobs(*args, with_entropy, entropy_requires_grad)
 

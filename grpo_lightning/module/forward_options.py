@@ -94,10 +94,10 @@ class ForwardOptions:
         return cls(chunked_lm_head=False, padding_free=False, share_prompt_prefix=False)
 
     def under_sharding(self, strategy: str) -> "ForwardOptions":
-        """These options for a policy sharded by FSDP1 or DeepSpeed ZeRO-3 (``strategy`` names it
-        in the log): the plain path. The optimized paths run the decoder and the LM head
-        themselves, and these strategies gather a module's weights only inside its own forward.
-        (FSDP2 keeps the optimized paths: they run as the root module's forward.)"""
+        """These options for a policy sharded by FSDP1 (``strategy`` names it in the log): the plain
+        path. The optimized paths read the LM head's weight themselves, and FSDP1's flat parameters
+        are not known to be whole there. (FSDP2 and ZeRO-3 keep the optimized paths: they run
+        through the modules' hooks, ``module/sharding.py``.)"""
         if not (self.chunked_lm_head or self.padding_free):
             return self
         log.info("%s: model.forward uses the plain path (full forward, no chunked LM head/packing).", strategy)

@@ -180,8 +180,8 @@ class GRPOModule(pl.LightningModule):
             return
         mesh = data_parallel_mesh(getattr(self, "_device_mesh", None))
         built = build_models(self._model_source[0], self.model_settings, with_reference=self.loss.beta != 0, mesh=mesh)
-        if sharded := None if mesh is not None else plain_forward_reason(self._trainer and self.trainer.strategy):
-            self.forward_options = self.forward_options.under_sharding(sharded)  # FSDP2 keeps the fast paths
+        if sharded := plain_forward_reason(self._trainer and self.trainer.strategy):  # FSDP2, ZeRO-3: None
+            self.forward_options = self.forward_options.under_sharding(sharded)
         self._modules["policy"] = built.policy  # add_module() would probe the ``policy`` property
         self.ref_policy, self._load_base = built.reference, built.load_base
         self._model_source = (None,)  # the policy now holds it

@@ -25,15 +25,12 @@ from grpo_lightning.utils.zero3 import gathered, zero3_parameters
 
 
 def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if is_fsdp2_root(m)]
 
 
 def is_fsdp2_root(model: torch.nn.Module) -> bool:
-    """Whether ``model`` itself is an FSDP2 module (``fully_shard`` applied to it)."""
+    """Whether ``model`` itself is an FSDP2 module (``fully_shard`` applied to it: the policy's
+    root, or one of its blocks)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2

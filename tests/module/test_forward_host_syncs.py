@@ -203,9 +203,10 @@ def test_a_forward_reads_the_device_batch_once(case, device_reads):
     assert mode.ours() == (1, {}), f"{case}: (transfers, reads) {mode.ours()}"
 
 
-def test_token_budget_groups_are_planned_from_one_copy(device_reads):
-    """Two groups, one transfer: each group's layout is planned on its slice of the host copy."""
-    options = ForwardOptions(padding_free=True, share_prompt_prefix=True, logprob_token_budget=40)
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_token_budget_groups_are_planned_from_one_copy(device_reads, padding_free):
+    """Several groups, one transfer: each group's layout is planned on its slice of the host copy."""
+    options = ForwardOptions(padding_free=padding_free, share_prompt_prefix=padding_free, logprob_token_budget=40)
     batch = make_grouped()[:4]
     with torch.no_grad(), device_reads(*batch) as mode:
         completion_logprobs(_model(2), *batch, TEMPERATURE, options=options)

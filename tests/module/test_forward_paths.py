@@ -333,7 +333,7 @@ def test_unsupported_attention_keeps_chunked_head_on_padded_batch(monkeypatch, c
     monkeypatch.setattr(model_parts_module, "_logged", set())
     monkeypatch.setattr(forward_module, "_MASKED_ATTENTION", ())
     layouts = []
-    monkeypatch.setattr(forward_module, "padded_layout", lambda *a: layouts.append(1) or _PADDED(*a))
+    monkeypatch.setattr(forward_module, "padded_layout", lambda *a, **k: layouts.append(1) or _PADDED(*a, **k))
     with caplog.at_level(logging.INFO, logger="grpo_lightning.module.forward"):
         got = run(model, batch, ForwardOptions())
     assert "Padding-free forward off" in caplog.text and layouts
