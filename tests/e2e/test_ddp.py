@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import free_port, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_ddp_two_processes(tmp_path, per_device_train_batch_size):
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(29500 + per_device_train_batch_size)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
     result = subprocess.run(
         [sys.executable, "-m", "grpo_lightning.cli", "fit", "--config", str(path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,

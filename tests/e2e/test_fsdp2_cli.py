@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import free_port, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,9 +63,9 @@ def test_fsdp2_from_yaml_checkpoints_resumes_and_exports(tmp_path):
 
     make_model_dir(tmp_path / "model")
     write_prompts(tmp_path / "p.jsonl", num_rows=16)
-    _fit(_config(tmp_path, "straight", 4), 29671)
+    _fit(_config(tmp_path, "straight", 4), free_port())
     resumed = _config(tmp_path, "resumed", 4)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": "29672"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
     process = subprocess.Popen([sys.executable, "-m", "grpo_lightning.cli", "fit", "--config", str(resumed)], cwd=REPO,
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     checkpoint = tmp_path / "resumed" / "checkpoints" / "step=0000002.ckpt"
@@ -83,7 +83,7 @@ def test_fsdp2_from_yaml_checkpoints_resumes_and_exports(tmp_path):
         if later.name > checkpoint.name:
             shutil.rmtree(later)
     shutil.rmtree(tmp_path / "resumed" / "final_model", ignore_errors=True)
-    _fit(resumed, 29673, "--ckpt_path", "last")
+    _fit(resumed, free_port(), "--ckpt_path", "last")
     assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "straight")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "final_model")
     straight = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "final_model")

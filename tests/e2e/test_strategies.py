@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import free_port, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("strategy_child.py")
@@ -36,8 +36,8 @@ def test_fsdp2_trains_and_exports_like_ddp(tmp_path):
 
     model_dir = make_model_dir(tmp_path / "model")
     prompts = write_prompts(tmp_path / "p.jsonl", num_rows=4)  # 2 optimizer steps per epoch: 2 epochs
-    ddp = _run("ddp", model_dir, prompts, tmp_path / "ddp", 29611)
-    fsdp2 = _run("fsdp2", model_dir, prompts, tmp_path / "fsdp2", 29612)
+    ddp = _run("ddp", model_dir, prompts, tmp_path / "ddp", free_port())
+    fsdp2 = _run("fsdp2", model_dir, prompts, tmp_path / "fsdp2", free_port())
     for rank in (0, 1):  # every rollout trained on at the step that generated it
         assert set(ddp[rank]["lags"]) == {0} and set(fsdp2[rank]["lags"]) == {0}
         # FSDP2 runs the chunked head and packing as the root module's forward, as DDP runs them

@@ -24,7 +24,7 @@ from grpo_lightning.types import GenerationParams
 from tests.e2e.same_step import assert_same_sgd_step, logit_bound
 from tests.module.test_forward_paths import reduction_size
 from tests.numerics import assert_close_f32
-from tests.helpers import length_reward, make_model_dir, write_prompts, built
+from tests.helpers import built, free_port, length_reward, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,7 +137,7 @@ def _ddp_final_weights(tmp_path: Path, name: str, forward: dict) -> dict[str, to
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(29600 + len(name))}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
     result = subprocess.run(
         [sys.executable, "-m", "grpo_lightning.cli", "fit", "--config", str(path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,

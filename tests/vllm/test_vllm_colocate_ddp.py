@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_two_ddp_ranks_train_on_policy_with_colocated_engines(model_dir, tmp_path, tensor_parallel_size):
     from mlflow.tracking import MlflowClient
 
-    from tests.helpers import write_prompts
+    from tests.helpers import free_port, write_prompts
 
     run_dir = tmp_path / "run"
     sampler = {"class_path": "grpo_lightning.samplers.vllm_colocate.VLLMColocateSampler",
@@ -43,7 +43,7 @@ def test_two_ddp_ranks_train_on_policy_with_colocated_engines(model_dir, tmp_pat
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(29610 + tensor_parallel_size)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-m", "grpo_lightning.cli", "fit", "--config", str(path)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
