@@ -192,14 +192,20 @@ def _chunk_logprobs(
     return logps, entropies
 
 
-def _is_plain_linear(head: object) -> bool:
+def is_plain_linear(head: object) -> bool:
+    """Whether ``head`` is an ``nn.Linear`` whose forward is ``nn.Linear``'s (no override)."""
     return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+
+
+def linear_function(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``head``'s map as a function of its weight and bias, not a call of the module (no hooks)."""
+    return lambda hidden: torch.nn.functional.linear(hidden, head.weight, head.bias)
 
 
 def reads_head_weight(head: object, recompute: bool) -> bool:
     """Whether :func:`chunked_head_logprobs` reads ``head.weight`` itself (the analytic backward of
     a plain ``nn.Linear`` under grad) rather than calling ``head`` on each chunk."""
-    return recompute and torch.is_grad_enabled() and _is_plain_linear(head)
+    return recompute and torch.is_grad_enabled() and is_plain_linear(head)
 
 
 def chunked_head_logprobs(

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs, reads_head_weight
+from grpo_lightning.algo.chunked_logprobs import chunked_head_logprobs, is_plain_linear, linear_function, reads_head_weight
 from grpo_lightning.algo.logprobs import token_logprobs_and_entropy
 from grpo_lightning.algo.shared_prefix import budget_groups, shared_prefix_layout
 from grpo_lightning.module.attention_kernels import SHARED_ROW_TOKENS, kernel_inputs, requested_kernel, resolve_kernel
@@ -188,15 +188,19 @@ def _optimized_logprobs(
         # (the mask path keeps the three-argument call that tests spy on)
         hidden = _hidden_states(model, parts, layout) if kernel == "sdpa_mask" else _hidden_states(model, parts, layout, kernel)
 
-        def head_pass(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def head_pass(states: torch.Tensor, head: Any = parts.head) -> tuple[torch.Tensor, torch.Tensor | None]:
             return head_logprobs(parts, states, layout, completion_ids.shape, temperature, with_entropy,
-                                 entropy_requires_grad, options)
+                                 entropy_requires_grad, options, head=head)
 
-        # ZeRO-3: the chunked backward reads the head's weight, which the head module's hooks fetch
-        # for its forward and again for its backward (other heads are called per chunk: fetched then)
-        if zero3_parameters(parts.head) and reads_head_weight(parts.head, options.chunked_lm_head):
-            return call_as_forward(parts.head, head_pass, hidden)
-        return head_pass(hidden)
+        if zero3_parameters(parts.head):
+            # ZeRO-3 fetches a module's weight in hooks around each call of it. The chunked backward
+            # reads the head's weight: the head module's hooks fetch it for its forward and again for
+            # its backward. Without grad, the chunks go through the weight of one fetch.
+            if reads_head_weight(parts.head, options.chunked_lm_head):
+                return call_as_forward(parts.head, head_pass, hidden)
+            if not torch.is_grad_enabled() and is_plain_linear(parts.head):
+                return call_as_forward(parts.head, lambda states: head_pass(states, linear_function(parts.head)), hidden)
+        return head_pass(hidden)  # (other heads under grad: each chunk's call fetches)
 
     return call_as_forward(model, scored) if is_fsdp2_root(model) else scored()  # FSDP2: the root's hooks gather
 
@@ -210,16 +214,18 @@ def head_logprobs(
     with_entropy: bool,
     entropy_requires_grad: bool,
     options: ForwardOptions,
+    head: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The completion tokens' log-probs (and entropies), ``(B, T)``, from the ``(R, W, H)`` final
-    hidden states of ``layout``, through the LM head in chunks (float32 for an FP32LMHead)."""
+    hidden states of ``layout``, through the LM head in chunks (float32 for an FP32LMHead).
+    ``head``: what the chunks go through instead of ``parts.head`` (the same map)."""
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.predict_index)  # (M, H)
     fp32_head = is_fp32_head(parts.head)  # cast_lm_head_to_fp32: the head's matmul in float32
     with torch.autocast(hidden.device.type, enabled=False) if fp32_head else nullcontext():
         logps, entropies = chunked_head_logprobs(
             hidden.float() if fp32_head else hidden,
             layout.target_ids,
-            parts.head,
+            parts.head if head is None else head,
             temperature,
             chunk_tokens=resolve_chunk_tokens(options.lm_head_chunk_tokens, parts.head, hidden),
             logit_scale=parts.logit_scale,

@@ -1,6 +1,8 @@
 """One short fit under a named strategy, for the multi-process tests (run as a script).
 
-    python tests/e2e/strategy_child.py <ddp|fsdp2> <model_dir> <prompts> <out_dir>
+    python tests/e2e/strategy_child.py <ddp|fsdp2|zero3> <model_dir> <prompts> <out_dir>
+
+``zero3``: DeepSpeed ZeRO-3 on its CPU accelerator (``DS_ACCELERATOR=cpu``, ``tests/cpu_deepspeed.py``).
 
 Each rank writes ``<out_dir>/result_<rank>.json`` (per-step grad norms, the lag of every rollout
 it trained on, the micro-batch shuffle seed of each (rank, epoch, generation) it built, and how
@@ -55,12 +57,27 @@ datamodule_code.shuffle_seed = recording_shuffle_seed
 PATHS = count_forward_paths()  # which log-prob forward ran (FSDP2 keeps the optimized one)
 
 
+def held_numel(model: torch.nn.Module) -> int:
+    """The parameter elements this rank holds: its ZeRO-3 partitions, or FSDP2's local shards."""
+    total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            total += p.ds_tensor.numel()
+        else:
+            total += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return total
+
+
 def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None:
     pl.seed_everything(3)
     if strategy_name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False)
+    elif strategy_name == "zero3":
+        from tests.cpu_deepspeed import CPUDeepSpeed
+
+        strategy = CPUDeepSpeed(stage=3, process_group_backend="gloo")
     else:
         strategy = strategy_name
     module = GRPOModule(model_dir, loss="dapo", optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
@@ -73,7 +90,8 @@ def main(strategy_name: str, model_dir: str, prompts: str, out_dir: str) -> None
                          gradient_clip_val=1.0, callbacks=[record], default_root_dir=out_dir)
     trainer.fit(module, data)
     assert Path(out_dir, "final_model", "config.json").exists(), "fit returned before rank 0 exported the model"
-    result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS, "paths": PATHS}
+    result = {"grad_norms": record.grad_norms, "lags": record.lags, "seeds": SEEDS, "paths": PATHS,
+              "held_numel": held_numel(module.policy)}
     Path(out_dir, f"result_{trainer.global_rank}.json").write_text(json.dumps(result))
     trainer.strategy.barrier("results written")  # no rank tears the group down under a peer's message
 

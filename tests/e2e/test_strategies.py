@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("strategy_child.py")
 
 
-def _run(strategy: str, model_dir: str, prompts: str, out: Path, port: int) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port)}
+def run_strategy_child(strategy: str, model_dir: str, prompts: str, out: Path, port: int, **env_extra: str) -> list[dict]:
+    """The two ranks' results of ``strategy_child.py`` under ``strategy``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": str(port), **env_extra}
     result = subprocess.run([sys.executable, str(CHILD), strategy, model_dir, prompts, str(out)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -36,13 +37,14 @@ def test_fsdp2_trains_and_exports_like_ddp(tmp_path):
 
     model_dir = make_model_dir(tmp_path / "model")
     prompts = write_prompts(tmp_path / "p.jsonl", num_rows=4)  # 2 optimizer steps per epoch: 2 epochs
-    ddp = _run("ddp", model_dir, prompts, tmp_path / "ddp", free_port())
-    fsdp2 = _run("fsdp2", model_dir, prompts, tmp_path / "fsdp2", free_port())
+    ddp = run_strategy_child("ddp", model_dir, prompts, tmp_path / "ddp", free_port())
+    fsdp2 = run_strategy_child("fsdp2", model_dir, prompts, tmp_path / "fsdp2", free_port())
     for rank in (0, 1):  # every rollout trained on at the step that generated it
         assert set(ddp[rank]["lags"]) == {0} and set(fsdp2[rank]["lags"]) == {0}
         # FSDP2 runs the chunked head and packing as the root module's forward, as DDP runs them
         assert fsdp2[rank]["paths"] == ddp[rank]["paths"] and fsdp2[rank]["paths"]["plain"] == 0, fsdp2[rank]["paths"]
         assert len(ddp[rank]["lags"]) == 4 * 4  # 4 steps x 4 rows on each rank
+        assert fsdp2[rank]["held_numel"] == pytest.approx(ddp[rank]["held_numel"] / 2, rel=0.01)  # sharded
     seeds = [tuple(s) for rank in (0, 1) for s in ddp[rank]["seeds"]]
     triples = {s[1:4] for s in seeds}
     assert len(triples) == 2 * 2 * 2  # 2 ranks x 2 epochs x 2 generation batches

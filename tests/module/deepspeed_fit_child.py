@@ -2,12 +2,11 @@
 
     MASTER_PORT=p python tests/module/deepspeed_fit_child.py <model_dir> <prompts> <out_dir>
 
-Lightning refuses DeepSpeed without CUDA (``setup_environment``, the device-index check, and
-``device_rank=None`` for DeepSpeed), so ``CPUDeepSpeed`` lifts exactly those three for this test;
-the rest — DeepSpeed's CPU accelerator, the engine, ZeRO partitioning, Lightning's loop driving it —
-is the real code. Every run: 2 optimizer steps of 2 accumulated micro-batches, the same seed.
+``CPUDeepSpeed`` (``tests/cpu_deepspeed.py``) lifts Lightning's CUDA-only checks; the rest is the
+real code. Every run: 2 optimizer steps of 2 accumulated micro-batches, the same seed.
 Writes ``<out_dir>/fits.json``: per run, the step metrics seen by a callback on every micro-step,
-how many log-prob forwards took the plain and the optimized path, and the exported weights'
+how many log-prob forwards took the plain and the optimized path, how many times the no-grad ones
+called the LM head module (ZeRO-3 fetches its weight at each call), and the exported weights'
 largest difference from the single-device run's export.
 """
 
@@ -25,41 +24,48 @@ sys.path.insert(0, str(REPO))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.strategies.ddp import DDPStrategy  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from grpo_lightning.data import RolloutDataModule  # noqa: E402
 from grpo_lightning.losses import DAPOLoss  # noqa: E402
 from grpo_lightning.module import GRPOModule  # noqa: E402
-from grpo_lightning.module.deepspeed_strategy import GRPODeepSpeedStrategy  # noqa: E402
+from grpo_lightning.module import forward as forward_code  # noqa: E402
+from grpo_lightning.module.forward_options import ForwardOptions  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
+from tests.cpu_deepspeed import CPUDeepSpeed  # noqa: E402
 from tests.helpers import count_forward_paths, length_reward  # noqa: E402
 
 PATHS = count_forward_paths()
+CHUNK_TOKENS = 4  # the LM head's chunk: a rollout batch's completions take several
+NO_GRAD = {"forwards": 0, "head_calls": 0, "inside": False}
+_optimized = forward_code._optimized_logprobs
 
 
-class CPUDeepSpeed(GRPODeepSpeedStrategy):
-    """GRPODeepSpeedStrategy with Lightning's three CUDA-only checks lifted (test only)."""
+def _counted_optimized(*args, **kwargs):
+    if torch.is_grad_enabled():
+        return _optimized(*args, **kwargs)
+    NO_GRAD["forwards"] += 1
+    NO_GRAD["inside"] = True
+    try:
+        return _optimized(*args, **kwargs)
+    finally:
+        NO_GRAD["inside"] = False
 
-    def __init__(self, *, engine_divides: bool = False, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.engine_divides = engine_divides  # the negative control: Lightning's plain backward
 
-    def setup_environment(self) -> None:
-        DDPStrategy.setup_environment(self)  # without DeepSpeedStrategy's CUDA check
+forward_code._optimized_logprobs = _counted_optimized
 
-    def setup_distributed(self) -> None:
-        self.set_world_ranks()  # without the CUDA device-index check
-        self._init_deepspeed_distributed()
 
-    @property
-    def root_device(self) -> torch.device:
-        return torch.device("cpu", self.local_rank)  # DeepSpeed wants a device index
+class CountHeadCalls(pl.Callback):
+    """Counts the calls of the policy's and reference's LM head modules in no-grad log-prob passes."""
 
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self.engine_divides:
-            kwargs["scale_wrt_gas"] = True
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def on_fit_start(self, trainer, pl_module):
+        for model in (pl_module.policy, pl_module.ref_policy):
+            if model is not None:
+                model.get_output_embeddings().register_forward_pre_hook(self._count)
+
+    @staticmethod
+    def _count(module, inputs):
+        NO_GRAD["head_calls"] += NO_GRAD["inside"]
 
 
 class Record(pl.Callback):
@@ -75,17 +81,19 @@ def fit(strategy, model_dir: str, prompts: str, out: Path, beta: float) -> list[
     pl.seed_everything(3)
     loss = DAPOLoss(beta=beta)
     module = GRPOModule(model_dir, loss=loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-                        lr_scheduler_type="constant", gradient_checkpointing=False, output_dir=str(out))
+                        lr_scheduler_type="constant", gradient_checkpointing=False, output_dir=str(out),
+                        forward=ForwardOptions(lm_head_chunk_tokens=CHUNK_TOKENS))
     data = RolloutDataModule(prompts, reward_funcs=[length_reward], num_generations=4, per_device_train_batch_size=4,
                              generation=GenerationParams(max_completion_length=6))
     record = Record()
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, strategy=strategy, logger=False,
                          accumulate_grad_batches=2, gradient_clip_val=1.0, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=[record],
+                         enable_model_summary=False, enable_checkpointing=False, callbacks=[record, CountHeadCalls()],
                          default_root_dir=str(out))
-    before = dict(PATHS)
+    before = {**PATHS, **NO_GRAD}
     trainer.fit(module, data)
-    return record.steps, {k: PATHS[k] - before[k] for k in PATHS}
+    counts = {**PATHS, **{f"no_grad_{k}": NO_GRAD[k] for k in ("forwards", "head_calls")}}
+    return record.steps, {k: v - before[k.removeprefix("no_grad_")] for k, v in counts.items()}
 
 
 def main(model_dir: str, prompts: str, out_dir: str) -> None:

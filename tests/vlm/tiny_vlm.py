@@ -49,6 +49,11 @@ def _image_only(processor_cls):
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            # Qwen3-VL's processor (transformers >= 5.25) reads the vision wrapper tokens it sets
+            # after the mixin's __init__; the Qwen2-VL family's tokens are the same strings.
+            self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+            self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+            self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
 
     ImageOnly.__name__ = processor_cls.__name__
     return ImageOnly
