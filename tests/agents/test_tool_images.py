@@ -82,14 +82,14 @@ def episode(processor):
     return _episode(processor)
 
 
-def _episode(processor):
+def _episode(processor, template=TEMPLATE):
     """Row 0: an image prompt whose tool returns an image; row 1: a text prompt, text tool result."""
     tokenizer = load_tokenizer(processor)
     inner = ImageScripted()
-    agent = AgentSampler(inner, Toolbox.of([look]), parser="hermes", chat_template=TEMPLATE)
+    agent = AgentSampler(inner, Toolbox.of([look]), parser="hermes", chat_template=template)
     agent.bind(Handle(tokenizer))
     user = [{"role": "user", "content": "What colour is the picture?"}]
-    image_prompt = encode_multimodal_prompt(user, [PROMPT_IMAGE], processor, 0, {"chat_template": TEMPLATE})
+    image_prompt = encode_multimodal_prompt(user, [PROMPT_IMAGE], processor, 0, {"chat_template": template})
     text_prompt = agent.render_prompt([{"role": "user", "content": "Say the colour."}], Toolbox.of([]))
     rollouts = agent.generate([image_prompt, text_prompt], 1, GenerationParams(max_completion_length=200))
     return agent, inner, tokenizer, image_prompt, rollouts
@@ -175,10 +175,7 @@ def _assert_forward_sees_the_tool_image(episode, build_model):
                                        options=ForwardOptions.plain(), model_inputs=batch_inputs)
         row = rollouts[0]
         ids = torch.tensor([row.prompt_ids + row.completion_ids])
-        inputs = row.model_inputs
-        types = torch.cat([inputs.rows["mm_token_type_ids"][0], inputs.completion_rows["mm_token_type_ids"][0]])[None]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs.rows["pixel_values"][0],
-                       image_grid_thw=inputs.rows["image_grid_thw"][0], mm_token_type_ids=types).logits[0].double()
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **_full_inputs(row.model_inputs)).logits[0].double()
         expected = logits[len(row.prompt_ids) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(row.completion_ids)[:, None])[:, 0]
         blind = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].double()  # no pixels at all
     n = len(row.completion_ids)
@@ -344,3 +341,115 @@ def test_dataset_images_in_an_agent_run_reach_every_turn_and_the_batch(processor
     batch = built.micro_batches[0]
     assert [g.tolist() for g in batch.model_inputs.rows["image_grid_thw"]] == [[[1, 2, 4], [1, 4, 2]]] * 2
     assert batch.generation_metrics["tools/call_frequency"] == 1.0
+
+
+# --------------------------------------------------------------------- the other image layouts
+#: family -> (processor builder, model builder, the image placeholder its chat template renders).
+LAYOUT_FAMILIES = {
+    "qwen3_vl": ("qwen3_vl_processor", "qwen3_vl_model", "<|vision_start|><|image_pad|><|vision_end|>"),  # grid
+    "gemma3": ("gemma3_processor", "gemma3_model", "<start_of_image>"),  # per image, token_type_ids
+    "llava_next": ("llava_next_processor", "llava_next_model", "<image>\n"),  # per image, tiles + image_sizes
+    "idefics3": ("idefics3_processor", "idefics3_model", "<image>"),  # batch-first + pixel_attention_mask
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUT_FAMILIES))
+def layout_family(request, shared_assets):
+    from tests.vlm import tiny_vlm
+
+    folder = shared_assets / "tokenizers" / "qwen2.5"
+    if not folder.is_dir():
+        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
+    processor_name, model_name, placeholder = LAYOUT_FAMILIES[request.param]
+    processor = getattr(tiny_vlm, processor_name)(folder)
+    template = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", placeholder)
+    return request.param, processor, getattr(tiny_vlm, model_name), template
+
+
+def _full_inputs(row_inputs, row: int = 0) -> dict[str, torch.Tensor]:
+    """One rollout's model keyword arguments over its whole sequence, as one batch row."""
+    out = {k: v[row] for k, v in row_inputs.rows.items() if k not in row_inputs.token_fields}
+    for name in row_inputs.token_fields:
+        out[name] = torch.cat([row_inputs.rows[name][row], row_inputs.completion_rows[name][row]])[None]
+    return out
+
+
+def test_every_image_layout_renders_tool_images_like_its_processor_and_the_policy_sees_them(layout_family, monkeypatch):
+    """For each layout (Qwen-VL grid, Gemma3 and LLaVA-NeXT per image, Idefics3 batch-first): the
+    episode's ids and image inputs are the processor's own for the whole conversation, the batch's
+    forward equals a plain model call on them (and the pixels change the answer), and HF generate's
+    next turn takes them. The tool's image is square: LLaVA-NeXT cuts it into 2 tiles, the prompt's
+    into 3, so the tool image's tiles are zero-padded as the processor pads them."""
+    from grpo_lightning.module.grpo_module import GRPOModule
+    from tests.helpers import built
+
+    square = color_image(2, (30, 30))
+    monkeypatch.setitem(look.__globals__, "TOOL_IMAGE", square)  # what the tool returns
+    name, processor, build_model, template = layout_family
+    agent, inner, tokenizer, prompt, rollouts = _episode(processor, template)
+    row, text_row = rollouts
+    first, last = _ids(tokenizer, call("look", kind="image")), _ids(tokenizer, ANSWER)
+    tool = row.completion_ids[len(first) : len(row.completion_ids) - len(last)]
+    assert row.completion_ids == first + tool + last
+    assert row.tool_mask == [1] * len(first) + [0] * len(tool) + [1] * len(last)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the picture?"}]},
+                {"role": "assistant", "content": call("look", kind="image")},
+                {"role": "tool", "name": "look", "content": [{"type": "image"}, {"type": "text", "text": "the scene"}]}]
+    text = processor.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=[[PROMPT_IMAGE, square]], return_tensors="pt")
+    context = list(prompt) + first + tool
+    assert expected["input_ids"][0].tolist() == context
+    full = _full_inputs(row.model_inputs)
+    for key, value in full.items():  # pixels (both images, padded as the processor pads), grids, token types
+        want = expected[key][:, : len(context)] if key in row.model_inputs.token_fields else expected[key]
+        got = value[:, : len(context)] if key in row.model_inputs.token_fields else value
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}: {key}")
+    assert sorted(full) == sorted(k for k in expected if k not in ("input_ids", "attention_mask"))
+    second = inner.prompts[1][0]
+    assert list(second) == context and second.images == [PROMPT_IMAGE, square]
+    assert processor.tokenizer.convert_ids_to_tokens(text_row.completion_ids).count(processor.image_token) == 0
+    _assert_forward_sees_the_tool_image((agent, inner, tokenizer, prompt, rollouts), build_model)
+    # HF generate: the next turn's greedy token is the argmax of a plain call on the context and its pixels.
+    model = build_model(tokenizer).double().eval()
+    sampler = HFGenerateSampler()
+    sampler.bind(built(GRPOModule(model, tokenizer=processor, save_final_model=False)))
+    out = sampler.generate([second], 1, GenerationParams(max_completion_length=1, generation_kwargs={"do_sample": False}))
+    ids = torch.tensor([list(second)])
+    inputs = {k: (v[None] if k in second.token_fields else v) for k, v in second.model_inputs.items()}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0, -1]
+    assert out[0].completion_ids[0] == int(logits.argmax())
+
+
+def test_a_processor_of_another_layout_is_refused_when_a_tool_returns_an_image(processor):
+    """Mllama-like outputs (tiles per image, a cross-attention mask over tokens x images): refused
+    with the supported layouts named, before any generation with wrong pixels."""
+    from grpo_lightning.agents.tool_images import image_tool_turn
+    from grpo_lightning.errors import ConfigError
+
+    class TiledTemplate:
+        def tool_turn_with_images(self, messages, names, processor):
+            return [5, 6], {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 1, 4, 3, 8, 8),
+                            "aspect_ratio_ids": torch.zeros(1, 1, dtype=torch.long),
+                            "cross_attention_mask": torch.zeros(1, 4, 1, 4)}
+
+    message = {"role": "tool", "content": [{"type": "image", "image": TOOL_IMAGE}]}
+    with pytest.raises(ConfigError, match="aspect_ratio_ids.*Idefics3/SmolVLM"):
+        image_tool_turn(TiledTemplate(), processor, [message], ["look"])
+
+
+def test_appending_images_pads_the_dims_after_the_image_dim():
+    """Batch-first rows (Idefics3: ``(1, images, 3, H, W)``) grow along dim 1, per-image ones along
+    dim 0; images of other sizes are zero-padded bottom-right, as the processors pad a batch."""
+    from grpo_lightning.agents.tool_images import append_images, image_axis, image_layout, no_images
+
+    assert image_layout(["pixel_values", "pixel_attention_mask"]) == "batch_first" and image_axis(["pixel_attention_mask"]) == 1
+    assert image_layout(["pixel_values", "image_grid_thw"]) == "grid" and image_layout(["pixel_values", "image_sizes"]) == "per_image"
+    earlier, later = torch.ones(1, 1, 3, 4, 2), torch.full((1, 2, 3, 2, 5), 2.0)
+    grown = append_images(earlier, later, axis=1)
+    assert grown.shape == (1, 3, 3, 4, 5)
+    assert grown[0, 0, :, :, :2].eq(1).all() and grown[0, 0, :, :, 2:].eq(0).all()
+    assert grown[0, 1:, :, :2].eq(2).all() and grown[0, 1:, :, 2:].eq(0).all()
+    assert no_images(earlier, 1).shape == (1, 0, 3, 4, 2) and no_images(later, 0).shape == (0, 2, 3, 2, 5)
+    tiles = append_images(torch.ones(1, 3, 3, 2, 2), torch.ones(1, 2, 3, 2, 2), axis=0)  # LLaVA-NeXT: 3 and 2 tiles
+    assert tiles.shape == (2, 3, 3, 2, 2) and tiles[1, 2].eq(0).all() and tiles[1, :2].eq(1).all()
