@@ -262,7 +262,7 @@ class AgentSampler(Sampler):
         if not getattr(self.inner, "supports_images", False):
             raise ConfigError(
                 f"{what}, but the sampler {type(self.inner).__name__} does not take image inputs, so the policy "
-                "could not see them: use data.sampler: hf_generate, vllm_colocate or vllm_server."
+                "could not see them: use data.sampler: hf_generate, fast_generate, vllm_colocate or vllm_server."
             )
 
     @staticmethod

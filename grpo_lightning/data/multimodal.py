@@ -158,7 +158,7 @@ def check_sampler_images(sampler: Any, prompts: Sequence[Any]) -> None:
     if any(isinstance(p, MultimodalPrompt) for p in prompts) and not getattr(sampler, "supports_images", False):
         raise ValueError(
             f"the prompts have images but the sampler {type(sampler).__name__} does not take image inputs; "
-            "use data.sampler: hf_generate, vllm_colocate or vllm_server for vision-language models."
+            "use data.sampler: hf_generate, fast_generate, vllm_colocate or vllm_server for vision-language models."
         )
 
 

@@ -36,6 +36,7 @@ from grpo_lightning.module.forward_options import ForwardOptions
 from grpo_lightning.module.fp32_head import is_fp32_head
 from grpo_lightning.module.lm_head_calibration import resolve_chunk_tokens
 from grpo_lightning.types import RowInputs
+from grpo_lightning.utils.image_positions import computes_own_positions, core_model
 from grpo_lightning.utils.model_config import text_config
 
 log = logging.getLogger(__name__)
@@ -53,20 +54,6 @@ def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         log.info(message)
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    core = getattr(model, "module", model)
-    if type(core).__module__.split(".")[0] == "peft" and callable(getattr(core, "get_base_model", None)):
-        core = core.get_base_model()
-    return core
-
-
-def computes_own_positions(model: torch.nn.Module) -> bool:
-    """Whether the model derives its position ids from the images itself (Qwen-VL's M-RoPE,
-    ``get_rope_index``): then none are passed; otherwise they follow the attention mask."""
-    core = _core(model)
-    return any(callable(getattr(m, "get_rope_index", None)) for m in (core, getattr(core, "model", None)) if m is not None)
 
 
 def multimodal_logprobs(
@@ -105,7 +92,7 @@ def multimodal_logprobs(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.shape[1]
     kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    if "logits_to_keep" in inspect.signature(type(_core(model)).forward).parameters:
+    if "logits_to_keep" in inspect.signature(type(core_model(model)).forward).parameters:
         kwargs["logits_to_keep"] = width + 1  # the LM head on completion positions only
     if not computes_own_positions(model):
         kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -122,18 +109,18 @@ def multimodal_logprobs(
 
 
 def _model_type(model: torch.nn.Module) -> str | None:
-    return getattr(getattr(_core(model), "config", None), "model_type", None)
+    return getattr(getattr(core_model(model), "config", None), "model_type", None)
 
 
 def _chunkable_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The LM head when ``model``'s logits are ``head(final hidden state)``, else ``None``."""
     if _model_type(model) not in CHUNKED_HEAD_MODEL_TYPES:
         return None
-    config = _core(model).config
+    config = core_model(model).config
     lm_config = text_config(config)
     if getattr(lm_config, "final_logit_softcapping", None) is not None:
         return None
-    get_head = getattr(_core(model), "get_output_embeddings", None)
+    get_head = getattr(core_model(model), "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     return head if isinstance(head, torch.nn.Module) else None
 

@@ -9,8 +9,9 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode
+from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode, image_inputs
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
+from grpo_lightning.utils.image_positions import computes_own_positions, prefill_positions
 
 #: transformers logits processors that are pure functions of ``(input_ids, scores)``: applied
 #: unchanged to the rows still running, they process each row exactly as ``generate`` does.
@@ -60,6 +61,12 @@ class FastGenerateSampler(Sampler):
     module's training flag is restored afterwards. Weights are gathered under sharding
     (``handle.generation_context()``).
 
+    **Images** (vision-language models, prompts with ``model_inputs``): the prefill takes the
+    rows' pixel inputs, collated as for ``hf_generate``; the decode steps feed text tokens only.
+    Models that place the images in 3-D positions themselves (Qwen-VL's M-RoPE) get no position
+    ids for the prefill, and each row's decode positions continue from the largest position the
+    model gave its prompt (recorded from its language model's call), on every axis.
+
     **LM head on CPU.** For a float32 ``nn.Linear`` head outside autocast, the decode steps apply
     the head with oneDNN on a copy of its weight made at each call (MKL's ``sgemm`` is 2-3x
     slower for a few rows against a 152K-token vocabulary); the copy is checked once per call
@@ -74,6 +81,7 @@ class FastGenerateSampler(Sampler):
 
     name = "fast_generate"
     provides_logprobs = True
+    supports_images = True
 
     def __init__(self, max_batch_rows: int | None = None, onednn_head: bool = True):
         super().__init__()
@@ -87,7 +95,7 @@ class FastGenerateSampler(Sampler):
     ) -> list[Rollout]:
         handle = self.handle
         model = handle.policy
-        rows = [list(p) for p in prompts for _ in range(num_generations)]  # prompt-major
+        rows = [p for p in prompts for _ in range(num_generations)]  # prompt-major (with their image inputs)
         if not rows:
             return []
         config = self._generation_config(params)
@@ -100,7 +108,7 @@ class FastGenerateSampler(Sampler):
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 ids, logprobs = self._decode(model, chunk, config, generator)
-                rollouts.extend(completion_rollout(r, i, stop, version, lp) for r, i, lp in zip(chunk, ids, logprobs))
+                rollouts.extend(completion_rollout(list(r), i, stop, version, lp) for r, i, lp in zip(chunk, ids, logprobs))
         return rollouts
 
     def _generation_config(self, params: GenerationParams) -> Any:
@@ -132,12 +140,13 @@ class FastGenerateSampler(Sampler):
         return processors
 
     def _decode(
-        self, model: Any, rows: list[list[int]], config: Any, generator: torch.Generator
+        self, model: Any, prompts: Sequence[PromptInput], config: Any, generator: torch.Generator
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Completion ids (cut after the first EOS at the latest) and their log-probs for ``rows``."""
+        """Completion ids (cut after the first EOS at the latest) and their log-probs for ``prompts``."""
         from transformers import DynamicCache
 
         device = self.handle.device
+        rows = [list(p) for p in prompts]
         pad = config.pad_token_id if config.pad_token_id is not None else 0
         width, n = max(len(r) for r in rows), len(rows)
         input_ids = torch.full((n, width), pad, dtype=torch.long)  # (R, Tp) left-padded
@@ -151,6 +160,8 @@ class FastGenerateSampler(Sampler):
         eos = torch.tensor([], dtype=torch.long, device=device) if eos is None else eos.to(device).reshape(-1)
         max_new = config.max_new_tokens
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate's
+        images = {k: v.to(device) for k, v in image_inputs(prompts, width).items()}  # the prefill's pixel inputs
+        own_positions = bool(images) and computes_own_positions(model)  # M-RoPE: (3, r, 1) positions
         cache = DynamicCache(config=model.config)
         cache_kwarg = cache_keyword(model)
         tokens = torch.full((n, max_new), pad, dtype=torch.long, device=device)  # (R, T) sampled ids
@@ -159,12 +170,20 @@ class FastGenerateSampler(Sampler):
         live = torch.arange(n, device=device)  # rows still running, as indices into the request
         draw = ExactDraw()
         step_ids, step_mask, step_pos = input_ids, attention_mask, positions
-        head = OneDNNHead.for_model(model) if self.onednn_head else None
+        # (the oneDNN head runs the decoder alone: text models only)
+        head = OneDNNHead.for_model(model) if self.onednn_head and not images else None
         decoder = model.get_decoder() if head is not None else None
         for t in range(max_new):
             inputs = dict(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, use_cache=True,
                           **{cache_kwarg: cache})
-            if t == 0 or head is None:
+            if t == 0 and images:
+                inputs.update(images)
+            if t == 0 and own_positions:
+                del inputs["position_ids"]  # the model places the images itself
+                with prefill_positions(model) as recorded:
+                    logits, hidden = _model_logits(model, decoder, inputs)
+                step_pos = recorded.last_positions(attention_mask)  # (3, R, 1): each row's last position
+            elif t == 0 or head is None:
                 logits, hidden = _model_logits(model, decoder, inputs)
                 if head is not None and not head.reproduces(hidden, logits):
                     head = None  # the model's logits are not its LM head's output (soft-capping, scaling, ...)
@@ -186,10 +205,10 @@ class FastGenerateSampler(Sampler):
                 if keep.numel() == 0:
                     break
                 live, input_ids, next_ids = live[keep], input_ids[keep], next_ids[keep]
-                attention_mask, step_pos = attention_mask[keep], step_pos[keep]
+                attention_mask, step_pos = attention_mask[keep], step_pos.index_select(-2, keep)  # rows: dim -2
                 cache.batch_select_indices(keep)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=-1)
-            step_ids, step_mask, step_pos = next_ids[:, None], attention_mask, step_pos[:, -1:] + 1
+            step_ids, step_mask, step_pos = next_ids[:, None], attention_mask, step_pos[..., -1:] + 1
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
         keep_lengths = lengths.tolist()
         return ([row[:k] for row, k in zip(tokens, keep_lengths)], [row[:k] for row, k in zip(logps, keep_lengths)])

@@ -143,12 +143,9 @@ def test_training_forward_on_the_final_sequence_sees_the_tool_image(episode, pro
 
 def test_qwen3_vl_tool_images_grow_the_inputs_and_reach_the_forward(shared_assets):
     """Qwen3-VL (the seed's tool-images family): other patch size (16), interleaved M-RoPE."""
-    from tests.vlm.tiny_vlm import qwen3_vl_model, qwen3_vl_processor
+    from tests.vlm.tiny_vlm import asset_processor, qwen3_vl_model
 
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    processor = qwen3_vl_processor(folder)
+    processor = asset_processor("qwen3_vl", shared_assets)
     episode = _episode(processor)
     row = episode[4][0]
     inputs = row.model_inputs
@@ -344,12 +341,12 @@ def test_dataset_images_in_an_agent_run_reach_every_turn_and_the_batch(processor
 
 
 # --------------------------------------------------------------------- the other image layouts
-#: family -> (processor builder, model builder, the image placeholder its chat template renders).
+#: family -> (model builder, the image placeholder its chat template renders).
 LAYOUT_FAMILIES = {
-    "qwen3_vl": ("qwen3_vl_processor", "qwen3_vl_model", "<|vision_start|><|image_pad|><|vision_end|>"),  # grid
-    "gemma3": ("gemma3_processor", "gemma3_model", "<start_of_image>"),  # per image, token_type_ids
-    "llava_next": ("llava_next_processor", "llava_next_model", "<image>\n"),  # per image, tiles + image_sizes
-    "idefics3": ("idefics3_processor", "idefics3_model", "<image>"),  # batch-first + pixel_attention_mask
+    "qwen3_vl": ("qwen3_vl_model", "<|vision_start|><|image_pad|><|vision_end|>"),  # grid
+    "gemma3": ("gemma3_model", "<start_of_image>"),  # per image, token_type_ids
+    "llava_next": ("llava_next_model", "<image>\n"),  # per image, tiles + image_sizes
+    "idefics3": ("idefics3_model", "<image>"),  # batch-first + pixel_attention_mask
 }
 
 
@@ -357,11 +354,8 @@ LAYOUT_FAMILIES = {
 def layout_family(request, shared_assets):
     from tests.vlm import tiny_vlm
 
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    processor_name, model_name, placeholder = LAYOUT_FAMILIES[request.param]
-    processor = getattr(tiny_vlm, processor_name)(folder)
+    model_name, placeholder = LAYOUT_FAMILIES[request.param]
+    processor = tiny_vlm.asset_processor(request.param, shared_assets)
     template = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", placeholder)
     return request.param, processor, getattr(tiny_vlm, model_name), template
 

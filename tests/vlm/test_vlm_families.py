@@ -26,10 +26,10 @@ from tests.vlm.test_vlm_forward import _alone, _batch  # 2 completions per promp
 from tests.vlm.test_vlm_training import changed_parameters, fit
 
 ATOL = 4e-6  # a float64 model, float32 log-probs (|logp| ~ 12: float32 spacing ~1e-6)
-# name: (processor, model, the vision tower's parameter-name part)
-FAMILIES = {"gemma3": (tiny_vlm.gemma3_processor, tiny_vlm.gemma3_model, "vision_tower"),
-            "llava_next": (tiny_vlm.llava_next_processor, tiny_vlm.llava_next_model, "vision_tower"),
-            "qwen3_vl": (tiny_vlm.qwen3_vl_processor, tiny_vlm.qwen3_vl_model, "visual")}
+#: family -> (model builder, the vision tower's attribute); processors from ``tiny_vlm.asset_processor``.
+FAMILIES = {"gemma3": (tiny_vlm.gemma3_model, "vision_tower"),
+            "llava_next": (tiny_vlm.llava_next_model, "vision_tower"),
+            "qwen3_vl": (tiny_vlm.qwen3_vl_model, "visual")}
 # Per prompt: its images' sizes; the second prompt has two images of different aspect ratios.
 IMAGES = [[(40, 36)], [(60, 30), (30, 60)], [(64, 64)]]
 GREEDY = GenerationParams(max_completion_length=5, generation_kwargs={"do_sample": False})
@@ -37,22 +37,16 @@ GREEDY = GenerationParams(max_completion_length=5, generation_kwargs={"do_sample
 
 def _processor(name, shared_assets):
     """The tiny ``name`` processor over the Qwen2.5 tokenizer asset (skips where it cannot be built)."""
-    folder = shared_assets / "tokenizers" / "qwen2.5"
-    if not folder.is_dir():
-        pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    try:
-        return FAMILIES[name][0](folder)
-    except ImportError as error:  # transformers before its PIL image processors needs torchvision here
-        pytest.skip(f"the {name} image processor of this transformers needs torchvision: {error}")
+    return tiny_vlm.asset_processor(name, shared_assets)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, shared_assets):
-    return request.param, _processor(request.param, shared_assets), FAMILIES[request.param][1]
+    return request.param, _processor(request.param, shared_assets), FAMILIES[request.param][0]
 
 
 def _vision_part(name):
-    return FAMILIES[name][2]
+    return FAMILIES[name][1]
 
 
 def _prompts(tokenizer, seed=0):

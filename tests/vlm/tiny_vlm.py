@@ -59,14 +59,24 @@ def _image_only(processor_cls):
     return ImageOnly
 
 
-def qwen_asset_processor(shared_assets):
-    """The tiny Qwen2-VL processor over the Qwen2.5 tokenizer asset (skips when it is absent)."""
+def asset_processor(family: str, shared_assets: Path):
+    """The tiny ``family`` processor (``"qwen2_vl"``, ``"gemma3"``, ...) over the Qwen2.5 tokenizer
+    asset; skips when the asset is absent or this transformers' image processor for the family
+    needs torchvision (before transformers shipped PIL image processors for it)."""
     import pytest
 
     folder = shared_assets / "tokenizers" / "qwen2.5"
     if not folder.is_dir():
         pytest.skip(f"the Qwen2.5 tokenizer asset is missing at {folder}")
-    return qwen2_vl_processor(folder)
+    try:
+        return globals()[f"{family}_processor"](folder)
+    except ImportError as error:
+        pytest.skip(f"the {family} image processor of this transformers needs torchvision: {error}")
+
+
+def qwen_asset_processor(shared_assets: Path):
+    """The tiny Qwen2-VL processor over the Qwen2.5 tokenizer asset (see :func:`asset_processor`)."""
+    return asset_processor("qwen2_vl", shared_assets)
 
 
 def _qwen_vl(config_cls, model_cls, tokenizer, vision: dict, seed: int, head_dim: int | None = None,
