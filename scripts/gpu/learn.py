@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     test_rows = [json.loads(line) for line in TEST.read_text().splitlines() if line.strip()]
     if args.tiny:
         test_rows = test_rows[:64]
+    started = time.perf_counter()
     curve: dict = {"step": [], "sampled_accuracy": [], "greedy_accuracy": [], "train_step": [], "train_reward": [],
                    "step_s": []}
 
@@ -101,7 +102,10 @@ def run(args: argparse.Namespace) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             curve["step_s"].append(time.perf_counter() - self.started)
-            if trainer.global_step % args.eval_every == 0 or trainer.global_step == args.steps:
+            out_of_time = args.max_seconds is not None and time.perf_counter() - started > args.max_seconds
+            if out_of_time:  # end here, evaluated, so the JSON and plot are still written
+                trainer.should_stop = True
+            if trainer.global_step % args.eval_every == 0 or trainer.global_step == args.steps or out_of_time:
                 self._evaluate(trainer, module)
 
     pl.seed_everything(42)
@@ -118,7 +122,6 @@ def run(args: argparse.Namespace) -> dict:
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, callbacks=[Curve()],
         default_root_dir=str(Path(args.out).parent / "learn_run"),
     )
-    started = time.perf_counter()
     trainer.fit(module, data)
     steps_s = sorted(curve["step_s"])
     return {
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-step", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop (evaluated, results written) once training has run this long")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: 6 steps of 4 prompts, 64 test prompts")
     parser.add_argument("--out", default="benchmarks/results/learn_cuda.json")
     parser.add_argument("--plot", type=Path, default=None, help="also draw the curve to this PNG")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue #15's GPU checks in ONE device call, most important first, each part cut to what is left
+# of a deadline, so a 15-minute lease (machine start included) returns every result it reached:
+#
+#   bash scripts/gpu_wheels.sh                                   # here, once
+#   device run, carry [".gpu_wheels"], timeout_s 600:
+#     DEADLINE_S=540 bash scripts/gpu/issue15_one_call.sh $OUT
+#
+# Order: ours vs TRL with HF generate (the headline) -> the learning curve -> the attention-kernel
+# CUDA tests -> the training pass per kernel -> ours with fast_generate -> the host-RSS loading
+# check -> continuous batching on both sides (only if time is left). Every part logs to
+# OUT/log.txt as it runs; the result files are packed into OUT/results.tgz at the end (a device
+# call returns at most 8 files). A part that fails or runs out of time prints `... FAILED` or
+# `... SKIPPED` and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: issue15_one_call.sh OUT_DIR}
+PY=${PYTHON:-python3}
+DEADLINE=$(( $(date +%s) + ${DEADLINE_S:-540} ))
+RESULTS=/tmp/issue15_results
+mkdir -p "$OUT" "$RESULTS"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+
+left() { echo $(( DEADLINE - $(date +%s) )); }
+# step NAME CAP_S MIN_S COMMAND...: run COMMAND under timeout min(CAP_S, time left); skip it when
+# fewer than MIN_S seconds are left.
+step() {
+  local name=$1 cap=$2 min=$3; shift 3
+  local budget; budget=$(left)
+  if (( budget < min )); then echo "== $name SKIPPED: ${budget}s left, needs ${min}s"; return; fi
+  (( budget > cap )) && budget=$cap
+  echo "== $name (up to ${budget}s; $(date -u +%T))"
+  local t0; t0=$(date +%s)
+  timeout "$budget" "$@" || echo "$name FAILED (rc=$?)"
+  echo "== $name took $(( $(date +%s) - t0 ))s"
+}
+
+if compgen -G ".gpu_wheels/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-deps --no-index .gpu_wheels/*.whl
+fi
+[ -d .gpu_wheels/assets/tokenizers/qwen2.5 ] && export GRPO_SHARED_ASSETS=$PWD/.gpu_wheels/assets
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'cuda', torch.cuda.is_available())"
+
+BENCH="--device cuda --sizes qwen0.5b --attention-kernel auto --out-dir $RESULTS"
+step "bench15: ours vs TRL, HF generate on both sides" 330 120 \
+  $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours,trl --run-timeout 150 \
+  --tag bench15_cuda_hf_generate
+step "learn: two-digit addition, held-out accuracy" 110 60 \
+  $PY scripts/gpu/learn.py --steps 100 --eval-every 10 --max-seconds 70 \
+  --out "$RESULTS/learn_cuda.json" --plot "$RESULTS/learning_curve_cuda.png"
+step "kernels: CUDA equality tests of the attention kernels" 100 40 \
+  $PY -m pytest -q -m gpu -p no:cacheprovider tests/module/test_attention_kernels_gpu.py
+step "kernels: training pass per attention kernel, Qwen2.5-0.5B shape, bf16, 64 rows x 256 tokens" 130 60 \
+  $PY benchmarks/forward_paths.py --device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 \
+  --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3 --modes train \
+  --paths "plain,chunked+packed,chunked+packed/varlen,chunked+packed/flex,chunked+packed+shared,chunked+packed+shared/flex" \
+  --chunk-tokens auto --json "$RESULTS/forward_kernels_cuda.json"
+step "bench15: ours with fast_generate" 90 60 \
+  $PY benchmarks/compare_trl.py $BENCH --sampler fast_generate --impls ours --run-timeout 80 \
+  --tag bench15_cuda_fast_generate
+step "host RSS: loading the Qwen2.5-0.5B shape and moving it to the GPU" 70 40 \
+  $PY benchmarks/host_rss.py --device cuda --json "$RESULTS/host_rss_cuda.json"
+if compgen -G ".gpu_wheels/transformers/*.whl" > /dev/null; then  # continuous batching needs transformers >= 5.18
+  $PY -m pip install -q --no-deps --no-index --target /tmp/transformers_cb .gpu_wheels/transformers/*.whl
+  PYTHONPATH=/tmp/transformers_cb${PYTHONPATH:+:$PYTHONPATH} step "samplers15: continuous batching, ours and TRL" 200 150 \
+    $PY benchmarks/compare_trl.py $BENCH --sampler continuous_batching --trl-generation continuous_batching \
+    --impls ours,trl --run-timeout 90 --tag samplers15_cuda_continuous_batching
+fi
+# Each benchmark child's own result and log too: a report cut off by the deadline keeps its finished runs.
+mkdir -p "$RESULTS/runs"
+for f in /tmp/grpo_bench_*/*/*/result.json /tmp/grpo_bench_*/*/*/log.txt; do
+  [ -f "$f" ] && cp "$f" "$RESULTS/runs/$(echo "${f#/tmp/}" | tr '/' '_')"
+done
+tar czf "$OUT/results.tgz" -C "$RESULTS" . && echo "== packed: $(tar tzf "$OUT/results.tgz" | tr '\n' ' ')"
