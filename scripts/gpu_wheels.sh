@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu_wheels
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux2014_x86_64 -d .gpu_wheels datasets dill "multiprocess" "trl==1.16.0" accelerate \
+  --platform manylinux2014_x86_64 -d .gpu_wheels datasets dill "multiprocess" "trl==1.16.0" accelerate jsonargparse \
   pytest pluggy iniconfig pygments
 # DeepSpeed for the `strategies` section (a py3-none-any wheel built here; no ops compiled) and
 # the pure-python/binary wheels it needs that the image lacks.

@@ -31,7 +31,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 else
   SHAPE="--device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3"
   KERNEL_PATHS="plain,chunked+packed,chunked+packed/varlen,chunked+packed/flex,chunked+packed+shared,chunked+packed+shared/flex"
-  BENCH="--device cuda --sizes qwen0.5b --run-timeout 240"
+  BENCH="--device cuda --sizes qwen0.5b --run-timeout 240 --learning-rate 1e-12"  # same completions on both sides, see issue15_one_call.sh
   LEARN="--steps 100 --eval-every 10"
   HOST_RSS="--device cuda --json $OUT_DIR/host_rss_cuda.json"
   TAG=cuda

@@ -2,7 +2,8 @@
 # Issue #15's GPU checks in ONE device call, most important first, each part cut to what is left
 # of a deadline, so a 15-minute lease (machine start included) returns every result it reached:
 #
-#   bash scripts/gpu_wheels.sh                                   # here, once
+#   bash scripts/gpu_wheels.sh                                   # here, once (jsonargparse is among the wheels:
+#                                                                # grpo_lightning imports it, the image lacks it)
 #   device run, carry [".gpu_wheels"], timeout_s 600:
 #     DEADLINE_S=540 bash scripts/gpu/issue15_one_call.sh $OUT
 #
@@ -23,10 +24,12 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
 left() { echo $(( DEADLINE - $(date +%s) )); }
-# step NAME CAP_S MIN_S COMMAND...: run COMMAND under timeout min(CAP_S, time left); skip it when
-# fewer than MIN_S seconds are left.
+PARTS=${PARTS:-hf,learn,kernel_tests,kernel_pass,fast,rss,cb}  # a rerun names only what is missing
+# step KEY NAME CAP_S MIN_S COMMAND...: run COMMAND under timeout min(CAP_S, time left); skip it when
+# KEY is not in PARTS or fewer than MIN_S seconds are left.
 step() {
-  local name=$1 cap=$2 min=$3; shift 3
+  local key=$1 name=$2 cap=$3 min=$4; shift 4
+  [[ ,$PARTS, == *,$key,* ]] || return 0
   local budget; budget=$(left)
   if (( budget < min )); then echo "== $name SKIPPED: ${budget}s left, needs ${min}s"; return; fi
   (( budget > cap )) && budget=$cap
@@ -43,28 +46,33 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'cuda', torch.cuda.is_available())"
 
-BENCH="--device cuda --sizes qwen0.5b --attention-kernel auto --out-dir $RESULTS"
-step "bench15: ours vs TRL, HF generate on both sides" 330 120 \
+# --learning-rate 1e-12: the optimizer does all its work, but an update of ~1e-12 is below half a
+# float32 ulp of any weight larger than ~1e-5, so the weights stay put and both sides sample the same
+# completions every step (0 itself is refused by model.learning_rate's check). Run 2 used 1e-5: the
+# random bf16 model's EOS bias drifted apart after step 0 and TRL generated up to 10x the tokens ours
+# did; a ratio over different work is not a ratio.
+BENCH="--device cuda --sizes qwen0.5b --attention-kernel auto --learning-rate 1e-12 --out-dir $RESULTS"
+step hf "bench15: ours vs TRL, HF generate on both sides" 330 120 \
   $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours,trl --run-timeout 150 \
   --tag bench15_cuda_hf_generate
-step "learn: two-digit addition, held-out accuracy" 110 60 \
+step learn "learn: two-digit addition, held-out accuracy" 110 60 \
   $PY scripts/gpu/learn.py --steps 100 --eval-every 10 --max-seconds 70 \
   --out "$RESULTS/learn_cuda.json" --plot "$RESULTS/learning_curve_cuda.png"
-step "kernels: CUDA equality tests of the attention kernels" 100 40 \
+step kernel_tests "kernels: CUDA equality tests of the attention kernels" 100 40 \
   $PY -m pytest -q -m gpu -p no:cacheprovider tests/module/test_attention_kernels_gpu.py
-step "kernels: training pass per attention kernel, Qwen2.5-0.5B shape, bf16, 64 rows x 256 tokens" 130 60 \
+step kernel_pass "kernels: training pass per attention kernel, Qwen2.5-0.5B shape, bf16, 64 rows x 256 tokens" 130 60 \
   $PY benchmarks/forward_paths.py --device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 \
   --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3 --modes train \
   --paths "plain,chunked+packed,chunked+packed/varlen,chunked+packed/flex,chunked+packed+shared,chunked+packed+shared/flex" \
   --chunk-tokens auto --json "$RESULTS/forward_kernels_cuda.json"
-step "bench15: ours with fast_generate" 90 60 \
+step fast "bench15: ours with fast_generate" 90 60 \
   $PY benchmarks/compare_trl.py $BENCH --sampler fast_generate --impls ours --run-timeout 80 \
   --tag bench15_cuda_fast_generate
-step "host RSS: loading the Qwen2.5-0.5B shape and moving it to the GPU" 70 40 \
+step rss "host RSS: loading the Qwen2.5-0.5B shape and moving it to the GPU" 70 40 \
   $PY benchmarks/host_rss.py --device cuda --json "$RESULTS/host_rss_cuda.json"
 if compgen -G ".gpu_wheels/transformers/*.whl" > /dev/null; then  # continuous batching needs transformers >= 5.18
   $PY -m pip install -q --no-deps --no-index --target /tmp/transformers_cb .gpu_wheels/transformers/*.whl
-  PYTHONPATH=/tmp/transformers_cb${PYTHONPATH:+:$PYTHONPATH} step "samplers15: continuous batching, ours and TRL" 200 150 \
+  PYTHONPATH=/tmp/transformers_cb${PYTHONPATH:+:$PYTHONPATH} step cb "samplers15: continuous batching, ours and TRL" 200 150 \
     $PY benchmarks/compare_trl.py $BENCH --sampler continuous_batching --trl-generation continuous_batching \
     --impls ours,trl --run-timeout 90 --tag samplers15_cuda_continuous_batching
 fi
