@@ -206,7 +206,7 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
     from grpo_lightning.module.forward import ForwardOptions
 
     extra = {"forward": ForwardOptions.plain() if plain else ForwardOptions(
-        attention_kernel=spec.get("attention_kernel", "sdpa_mask"))}
+        attention_kernel=spec.get("attention_kernel", "auto"))}
     module = TimedGRPOModule(
         spec["model_dir"], loss=get_loss(spec["loss_type"], beta=spec["beta"]), learning_rate=spec["learning_rate"],
         lr_scheduler_type="linear", gradient_checkpointing=spec["gradient_checkpointing"], save_final_model=False,

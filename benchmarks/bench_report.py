@@ -121,7 +121,16 @@ def ratios(ours: list[dict], trl: list[dict], ours_runs: list[dict], trl_runs: l
         if a is not None and b is not None:
             per_step.append(a / b)
     pairs = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, trl)]  # repeat r with repeat r
+    completions = [[statistics.median(r["steps"][k]["completion_tokens"] for r in side) for side in (ours_runs, trl_runs)]
+                   for k in range(steps)]
     return {
+        # [ours, TRL] completion tokens at each step (median over runs, warm-up included). With
+        # hf_generate on both sides they are equal while the two sides do the same work; a measured
+        # step where they differ makes its tokens/s ratio one over different work.
+        "completion_tokens_by_step": completions,
+        "unpaired_steps": [k for k in range(warmup, steps) if completions[k][0] != completions[k][1]],
+        "phase_s": {phase: [statistics.median(s["split_s"][phase] for s in side) for side in (ours, trl)]
+                    for phase in SPLIT},
         "tokens_per_s": statistics.median(per_step) if per_step else of("tokens_per_s"),
         "tokens_per_s_by_step": per_step,
         "tokens_per_s_of_medians": of("tokens_per_s"),
@@ -259,10 +268,17 @@ def markdown(report: dict) -> str:
             lines.append(f"| ours (plain forward)/TRL | {rp['median_step_s']:.2f} | {rp['tokens_per_s']:.2f} | | | | | | | "
                          f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
         lines += host_peak_lines(size["runs"])
+        if s.get("sampler", "hf_generate") == "hf_generate" and r.get("unpaired_steps"):
+            by_step = ", ".join(f"{k}: {a:g} vs {b:g}" for k, (a, b) in enumerate(r["completion_tokens_by_step"]))
+            lines += ["", f"**Not paired**: the completions differ at measured step(s) "
+                          f"{', '.join(map(str, r['unpaired_steps']))} (completion tokens by step, ours vs TRL: {by_step}), "
+                          "so the ratios above compare different work. The weights moved apart after the first update; "
+                          "rerun with `--learning-rate 1e-12` (the optimizer's full work, weights unchanged) for a "
+                          "paired measurement."]
         lines += [
             "",
             f"ours/TRL tokens/s step by step (the same prompts"
-            f"{' and completions' if s.get('sampler', 'hf_generate') == 'hf_generate' else ''} on both sides; median = the "
+            f"{' and completions' if s.get('sampler', 'hf_generate') == 'hf_generate' and not r.get('unpaired_steps') else ''} on both sides; median = the "
             f"ratio above): {', '.join(f'{x:.2f}' for x in r['tokens_per_s_by_step'])}; ratio of the medians "
             f"{r['tokens_per_s_of_medians']:.2f}; repeat by repeat: "
             f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s_pairs'])}. Total tokens / total time: ours "

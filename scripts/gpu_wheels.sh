@@ -18,8 +18,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # transformers as `make test` runs it, for `samplers15` only (its continuous batching needs >= 5.18;
 # the image has 5.17). A subfolder: gpu_check.sh's install of .gpu_wheels/*.whl leaves it out.
 TF_VERSION=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --platform manylinux2014_x86_64 -d .gpu_wheels/transformers "transformers==$TF_VERSION"
+# With the versions of the libraries it checks at import (huggingface_hub >= 2.4, tokenizers,
+# safetensors, regex) and `kernels`, as this machine's `make test` venv has them: they go into the
+# same --target folder and shadow the image's for that part only.
+PINS=$(.venv/bin/python -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('huggingface_hub', 'tokenizers', 'safetensors', 'regex', 'kernels', 'hf_xet')))")
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu_wheels/transformers \
+  "transformers==$TF_VERSION" $PINS
 # The real Qwen2.5 tokenizer for the benchmark (the GPU machine has no ../shared/assets):
 # gpu_check.sh points GRPO_SHARED_ASSETS at this copy.
 SHARED=${GRPO_SHARED_ASSETS:-../shared/assets}

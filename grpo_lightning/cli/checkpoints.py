@@ -64,6 +64,9 @@ class CheckpointOnException(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if trainer.world_size > 1 or trainer.global_step == 0:
             return
+        if getattr(pl_module, "optimizer_state_released", False):  # failed after training ended: nothing to resume
+            log.warning("Failed after training ended (%s); no checkpoint written", type(exception).__name__)
+            return
         log.warning("Training failed (%s); writing %s", type(exception).__name__, self.path)
         trainer.save_checkpoint(self.path)
 

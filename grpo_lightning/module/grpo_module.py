@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from contextlib import nullcontext
@@ -18,6 +19,8 @@ from grpo_lightning.module.callback_metrics import publish_step_metrics
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
+from grpo_lightning.module.fit_end_release import drop_gradients, drop_optimizer_states
+from grpo_lightning.module.fit_end_release import refuse_checkpoint_without_optimizer_state
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
@@ -36,7 +39,7 @@ from grpo_lightning.module.training_parts import PartsBackward, StepLoss, traini
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
-
+log = logging.getLogger(__name__)
 
 
 class GRPOModule(pl.LightningModule):
@@ -81,6 +84,10 @@ class GRPOModule(pl.LightningModule):
         save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
             ``<output_dir>/final_model`` when training ends (with ``peft_config``: the merged
             model there and the adapter alone in ``final_model/adapter``).
+        keep_optimizer_state_after_fit: Keep the optimizer state when training ends. By default
+            it is released (with the last step's gradients) before Lightning's teardown copies it
+            to host memory, two fp32 copies of the weights with AdamW; a checkpoint written after
+            ``fit`` returns is then refused. Checkpoints written during fit are unaffected.
         forward: How completion log-probs are computed (training, old and reference passes):
             ``chunked_lm_head`` (LM head on real completion tokens in chunks, no full-vocabulary
             fp32 logits), ``padding_free`` (packed sequences, no compute on padding),
@@ -117,6 +124,7 @@ class GRPOModule(pl.LightningModule):
         router_aux_loss_coef: float | None = None,
         output_dir: str | None = None,
         save_final_model: bool = True,
+        keep_optimizer_state_after_fit: bool = False,
         forward: ForwardOptions = ForwardOptions(),
         peft_config: LoRASettings | None = None,
         quantization_config: QuantizationSettings | None = None,
@@ -158,6 +166,9 @@ class GRPOModule(pl.LightningModule):
         self.entropy_coef_metric: float | None = None
         self.output_dir = output_dir
         self.save_final_model = save_final_model
+        self.keep_optimizer_state_after_fit = keep_optimizer_state_after_fit
+        #: Whether on_train_end released the optimizer state (no exact resume from a later checkpoint).
+        self.optimizer_state_released = False
         self.forward_options = forward
 
         #: The metrics of the last finished optimizer step, by their TRL names (also in
@@ -355,6 +366,13 @@ class GRPOModule(pl.LightningModule):
             total_steps=int(self.trainer.estimated_stepping_batches),
         )
 
+    def on_train_start(self) -> None:
+        self.optimizer_state_released = False  # a new fit has new optimizers
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.optimizer_state_released:
+            refuse_checkpoint_without_optimizer_state()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
             drop_quantization_state(checkpoint["state_dict"])
@@ -364,6 +382,18 @@ class GRPOModule(pl.LightningModule):
         if self.save_final_model:
             self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
         self._exported_at_step = self.trainer.global_step
+        self._release_training_state()
+
+    def _release_training_state(self) -> None:
+        """Drop the last step's gradients and (unless kept) the optimizer state before the
+        strategy's teardown copies them to the host (``fit_end_release``)."""
+        released = drop_gradients(self.parameters())
+        if not self.keep_optimizer_state_after_fit:
+            emptied, held = drop_optimizer_states(self.trainer.optimizers)
+            released += held
+            self.optimizer_state_released = emptied > 0
+        log.info("Training ended: released %.0f MB of gradients%s", released / 2**20,
+                 "" if self.keep_optimizer_state_after_fit else " and optimizer state")
 
     def on_fit_end(self) -> None:
         """A fit resumed from a checkpoint already at ``max_steps`` runs no training loop, so no

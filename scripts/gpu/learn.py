@@ -147,7 +147,7 @@ def plot(result: dict, output: Path) -> None:
         "train reward (sampled)": Series("train reward (sampled)", tuple(c["train_step"]), tuple(c["train_reward"])),
     }
     panels = [Panel("two-digit addition", tuple(series))]
-    title = f"GRPO on {result['device']} ({result['precision']}), {result['prompts_per_step']}x8 completions/step"
+    title = f"GRPO on {result['device']} ({result['precision']})\n{result['prompts_per_step']} prompts x {result['num_generations']} completions a step"
     draw_curves(panels, series, str(output), title=title)
 
 

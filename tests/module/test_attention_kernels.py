@@ -96,10 +96,14 @@ def test_block_mask_keeps_exactly_the_blocks_with_a_visible_pair():
     assert torch.equal(blocks.bool(), expected)
 
 
-def test_resolution_per_device_and_layout():
+def test_resolution_per_device_and_layout(monkeypatch):
     assert [resolve_kernel(k, CPU, shared=False) for k in ("auto", "sdpa_mask", "flex", "varlen")] == [
         "sdpa_mask", "sdpa_mask", "flex", "varlen"]
+    monkeypatch.setattr(attention_kernels, "varlen_supported", lambda: True)
     assert resolve_kernel("auto", CUDA, shared=False) == "varlen"
+    monkeypatch.setattr(attention_kernels, "varlen_supported", lambda: False)  # torch 2.11's varlen_attn
+    assert resolve_kernel("auto", CUDA, shared=False) == "flex" == resolve_kernel("varlen", CUDA, shared=False)
+    assert resolve_kernel("varlen", CPU, shared=False) == "varlen"  # the CPU path (sdpa, block-diagonal mask)
     assert resolve_kernel("auto", CUDA, shared=True) == "flex" == resolve_kernel("varlen", CUDA, shared=True)
     assert requested_kernel("flex", "eager", None, CUDA) == "sdpa_mask"  # only sdpa is wrapped
     assert requested_kernel("auto", "sdpa", 4096, CUDA) == "sdpa_mask"  # a sliding window keeps its masks
