@@ -32,7 +32,7 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], *, sharded_plain_g
     plain = [g for g in grads if not _is_dtensor(g)]
     squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     if plain:
-        squares = squares + torch.stack([g.detach().float().pow(2).sum() for g in plain]).sum()
+        squares = squares + _sum_of_squares(plain)
         if sharded_plain_grads and torch.distributed.is_initialized():
             torch.distributed.all_reduce(squares)
     if dtensors:
@@ -41,13 +41,38 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], *, sharded_plain_g
     return float(squares.sqrt())
 
 
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ g² over plain gradients, accumulated in float32, as a float32 scalar on their device:
+    one foreach norm per (device, dtype) group (a few kernels for the whole model, where a
+    per-tensor ``pow(2).sum()`` launched three per parameter and wrote a squared copy of each)."""
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    with torch.no_grad():
+        for group in _by_device_and_dtype(grads):
+            norms = torch._foreach_norm(group, 2, dtype=torch.float32)  # (len(group),) float32 norms
+            total = total + torch.stack(norms).to(total.device).pow(2).sum()
+    return total
+
+
 def scale_grads_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
-    """Multiply every gradient by ``factor`` in place (plain tensors and DTensors alike)."""
+    """Multiply every gradient by ``factor`` in place (plain tensors and DTensors alike): plain
+    gradients with one foreach kernel per (device, dtype) group."""
     if factor == 1.0:
         return
-    for p in parameters:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    for group in _by_device_and_dtype([g for g in grads if not _is_dtensor(g)]):
+        # A float32 0-dim tensor, as clip_grad_norm_ passes it: a Python scalar would be rounded
+        # to bfloat16 first by the CPU foreach kernel, unlike ``mul_``.
+        torch._foreach_mul_(group, torch.tensor(factor, dtype=torch.float32, device=group[0].device))
+    for grad in grads:
+        if _is_dtensor(grad):
+            grad.mul_(factor)
 
 
 def clip_by_total_norm_(parameters: list[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
