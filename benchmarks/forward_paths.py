@@ -195,8 +195,24 @@ def child(args: argparse.Namespace) -> dict:
         model.zero_grad(set_to_none=False)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()
     tokens = sum(int(b[1].sum() + b[3].sum()) for b in batches[1:])
+    from grpo_lightning.module import lm_head_calibration
+
+    chosen = sorted(set(lm_head_calibration._cache.values()))  # what `auto` measured and picked (CUDA)
     return dict(path=args.path, mode=args.mode, params=params, times=times, tokens=tokens,
-                peak_mib=(peak - base) / 2**20)
+                peak_mib=(peak - base) / 2**20, auto_chunk_tokens=chosen)
+
+
+def summarize(collected: dict[tuple[str, str], list[dict]]) -> list[dict]:
+    """One row per (mode, path) over its rounds: best and median step, tokens/s, peak memory."""
+    results = []
+    for (mode, name), parts in collected.items():
+        times = [t for part in parts for t in part["times"]]
+        tokens = sum(part["tokens"] for part in parts)
+        results.append(dict(mode=mode, path=name, params=parts[0]["params"], best_s=min(times),
+                            median_s=statistics.median(times), tokens_per_s=tokens / sum(times),
+                            peak_mib=max(part["peak_mib"] for part in parts),
+                            auto_chunk_tokens=parts[0].get("auto_chunk_tokens", [])))
+    return results
 
 
 def main() -> None:
@@ -233,7 +249,6 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
 
-    results = []
     passthrough, skip = [], False
     for arg in sys.argv[1:]:  # everything but --json (and its value) goes to the children
         if skip or arg.startswith("--json"):
@@ -264,14 +279,12 @@ def main() -> None:
                 raise SystemExit(f"{mode}/{name} failed")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             collected.setdefault((mode, name), []).append(result)
+            chosen = f"  auto chunk {result['auto_chunk_tokens']}" if result.get("auto_chunk_tokens") else ""
             print(f"round {round_index + 1} {mode:8s} {name:32s} median {statistics.median(result['times']):8.3f} s  "
-                  f"peak +{result['peak_mib']:8.1f} MiB", flush=True)
-    for (mode, name), parts in collected.items():
-        times = [t for part in parts for t in part["times"]]
-        tokens = sum(part["tokens"] for part in parts)
-        results.append(dict(mode=mode, path=name, params=parts[0]["params"], best_s=min(times),
-                            median_s=statistics.median(times), tokens_per_s=tokens / sum(times),
-                            peak_mib=max(part["peak_mib"] for part in parts)))
+                  f"peak +{result['peak_mib']:8.1f} MiB{chosen}", flush=True)
+            if args.json:  # after every run: a run cut off by a time limit keeps what it measured
+                Path(args.json).write_text(json.dumps(dict(args=vars(args), results=summarize(collected)), indent=2))
+    results = summarize(collected)
 
     params = results[0]["params"] if results else 0
     print(f"\nQwen2 {params / 1e6:.1f}M parameters (vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
@@ -283,8 +296,6 @@ def main() -> None:
     for r in results:
         print(f"| {r['mode']} | {r['path']} | {r['best_s']:.3f} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} "
               f"| {r['peak_mib']:.1f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=2))
 
 
 if __name__ == "__main__":

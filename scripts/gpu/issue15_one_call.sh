@@ -52,18 +52,21 @@ $PY -c "import torch, transformers, trl; print('torch', torch.__version__, 'tran
 # random bf16 model's EOS bias drifted apart after step 0 and TRL generated up to 10x the tokens ours
 # did; a ratio over different work is not a ratio.
 BENCH="--device cuda --sizes qwen0.5b --attention-kernel auto --learning-rate 1e-12 --out-dir $RESULTS"
-step hf "bench15: ours vs TRL, HF generate on both sides" 330 120 \
-  $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours,trl --run-timeout 150 \
+# Paired, every step generates what run 2's warm-up did (5,615 tokens, up to 256 a row: ~23 s a
+# step a side), so each side needs ~100-130 s with loading and flex's compile.
+step hf "bench15: ours vs TRL, HF generate on both sides" 400 120 \
+  $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours,trl --run-timeout 190 \
   --tag bench15_cuda_hf_generate
 step learn "learn: two-digit addition, held-out accuracy" 110 60 \
   $PY scripts/gpu/learn.py --steps 100 --eval-every 10 --max-seconds 70 \
   --out "$RESULTS/learn_cuda.json" --plot "$RESULTS/learning_curve_cuda.png"
 step kernel_tests "kernels: CUDA equality tests of the attention kernels" 100 40 \
   $PY -m pytest -q -m gpu -p no:cacheprovider tests/module/test_attention_kernels_gpu.py
+# Shared-prompt paths first: run 2 measured the others and ran out of time before these.
 step kernel_pass "kernels: training pass per attention kernel, Qwen2.5-0.5B shape, bf16, 64 rows x 256 tokens" 130 60 \
   $PY benchmarks/forward_paths.py --device cuda --autocast bf16 --hidden 896 --layers 24 --heads 14 \
   --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3 --modes train \
-  --paths "plain,chunked+packed,chunked+packed/varlen,chunked+packed/flex,chunked+packed+shared,chunked+packed+shared/flex" \
+  --paths "chunked+packed+shared,chunked+packed+shared/flex,chunked+packed/flex,plain,chunked+packed" \
   --chunk-tokens auto --json "$RESULTS/forward_kernels_cuda.json"
 step fast "bench15: ours with fast_generate" 90 60 \
   $PY benchmarks/compare_trl.py $BENCH --sampler fast_generate --impls ours --run-timeout 80 \
