@@ -25,6 +25,7 @@ steps (generation, scoring, Lightning or HF Trainer bookkeeping) is inside a ste
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -106,7 +107,35 @@ class Recorder:
         # that reached the peak, even when the memory is freed again before the phase ends.
         self.current[f"peak_rss_after_{phase}_mb"] = peak_rss_mb()
 
+    def time_generate_calls(self, model: torch.nn.Module) -> None:
+        """Time each ``model.generate`` call itself (synchronised) and count its decode steps, on
+        both sides alike: ``hf_generate_s`` against the ``generation`` phase separates the HF loop
+        from what a trainer does around it; per decode step it compares the loops' speed."""
+        original = model.generate
+
+        def timed(*args, **kwargs):
+            start = self.now()
+            out = original(*args, **kwargs)
+            self.current["hf_generate_s"] += self.now() - start
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            prompt = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(sequences, torch.Tensor) and isinstance(prompt, torch.Tensor):
+                self.current["decode_steps"] += sequences.shape[1] - prompt.shape[1]
+            return out
+
+        model.generate = timed
+
+    def _gc_timer(self, phase: str, info: dict) -> None:
+        """``gc.callbacks``: the seconds the cyclic garbage collector runs, per step (a full
+        collection in a large process can take a good part of a second)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif getattr(self, "_gc_started", None) is not None:
+            self.current["gc_s"] += time.perf_counter() - self._gc_started
+            self._gc_started = None
+
     def train_start(self) -> None:
+        gc.callbacks.append(self._gc_timer)
         self.rss_train_start = rss_mb()
         self.peak_rss_train_start = peak_rss_mb()  # includes the model load
         self.enter("other")
@@ -121,7 +150,8 @@ class Recorder:
         # CPU seconds of this process per wall second: well below the thread count when other
         # processes take the cores (a contended step); kept to judge the numbers.
         step["cpu_util"] = (cpu - self.last_cpu) / step["step_time"]
-        for key in ("prompt_tokens", "completion_tokens", "rows", "truncated", "max_completion"):
+        for key in ("prompt_tokens", "completion_tokens", "rows", "truncated", "max_completion", "hf_generate_s",
+                    "decode_steps", "gc_s"):
             step[key] = self.current.get(key, 0.0)
         step.update({k: v for k, v in self.current.items() if k.startswith(("rss_after_", "peak_rss_after_"))})
         step["other"] = step["step_time"] - sum(step[p] for p in PHASES)
@@ -169,6 +199,7 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
 
     class Timers(pl.Callback):
         def on_train_start(self, trainer, pl_module):
+            rec.time_generate_calls(pl_module.policy)
             rec.train_start()
 
         def on_before_backward(self, trainer, pl_module, loss):
@@ -328,6 +359,7 @@ def run_trl(spec: dict, rec: Recorder) -> dict:
 
     class Timers(TrainerCallback):
         def on_train_begin(self, args, state_, control, **kwargs):
+            rec.time_generate_calls(kwargs["model"])  # the model TRL's generation unwraps to
             rec.train_start()
 
         def on_step_end(self, args, state_, control, **kwargs):

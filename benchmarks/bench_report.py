@@ -76,6 +76,11 @@ def summarize_run(run: dict, warmup: int, params: dict, peak_gflops: float, devi
         "rss_train_start_mb": run["rss_train_start_mb"],
         "peak_gpu_allocated_mb": run.get("peak_gpu_allocated_mb"),
         "matmul_probe_gflops": run["matmul_probe_gflops"],
+        # Inside model.generate (both sides time the call itself) and the garbage collector, when recorded.
+        **({"hf_generate_s": med(s["hf_generate_s"] for s in steps),
+            "ms_per_decode_step": med(1000 * s["hf_generate_s"] / s["decode_steps"] for s in steps if s.get("decode_steps")),
+            "gc_s": med(s.get("gc_s", 0.0) for s in steps)}
+           if all(s.get("decode_steps") for s in steps) else {}),
         "logged_loss": [s.get("logged_loss") for s in run["steps"]],
         "logged_reward": [s.get("logged_reward") for s in run["steps"]],
     }
@@ -140,6 +145,20 @@ def ratios(ours: list[dict], trl: list[dict], ours_runs: list[dict], trl_runs: l
         **({"peak_gpu_allocated_mb": of("peak_gpu_allocated_mb")}
            if all(s.get("peak_gpu_allocated_mb") for s in ours + trl) else {}),
     }
+
+
+def generate_call_lines(summaries: dict[str, list[dict]]) -> list[str]:
+    """Per trainer: the median seconds inside ``model.generate`` against the generation phase,
+    the milliseconds per decode step, and the garbage collector's seconds per step."""
+    lines = []
+    for impl, runs in summaries.items():
+        run = runs[0] if runs else {}
+        if "hf_generate_s" not in run:
+            continue
+        lines.append(f"Generation, {LABELS.get(impl, impl)} repeat 0: {run['hf_generate_s']:.3f} s inside `model.generate` "
+                     f"of {run['split_s']['generation']:.3f} s in the phase, {run['ms_per_decode_step']:.1f} ms per decode "
+                     f"step; garbage collection {run['gc_s']:.3f} s per step.  ")
+    return lines
 
 
 #: Paths of the code a reader can act on: a peak inside torch.nn is reported with its caller here.
@@ -268,6 +287,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| ours (plain forward)/TRL | {rp['median_step_s']:.2f} | {rp['tokens_per_s']:.2f} | | | | | | | "
                          f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
         lines += host_peak_lines(size["runs"])
+        lines += generate_call_lines(size.get("summaries", {}))
         if s.get("sampler", "hf_generate") == "hf_generate" and r.get("unpaired_steps"):
             by_step = ", ".join(f"{k}: {a:g} vs {b:g}" for k, (a, b) in enumerate(r["completion_tokens_by_step"]))
             lines += ["", f"**Not paired**: the completions differ at measured step(s) "

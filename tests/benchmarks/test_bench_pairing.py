@@ -14,7 +14,8 @@ PHASE_S = {"generation": 1.0, "reward": 0.001, "logprob": 0.0, "forward": 0.2, "
 
 def _run(completion_tokens: list[int], scale: float) -> dict:
     steps = [{**{k: v * scale for k, v in PHASE_S.items()}, "other": 0.01 * scale, "step_time": 1.531 * scale,
-              "prompt_tokens": 100, "completion_tokens": c, "rows": 4, "truncated": 0, "max_completion": 9}
+              "prompt_tokens": 100, "completion_tokens": c, "rows": 4, "truncated": 0, "max_completion": 9,
+              "hf_generate_s": 0.9 * scale, "decode_steps": 9, "gc_s": 0.0}
              for c in completion_tokens]
     return {"steps": steps, "torch_threads": 8, "peak_rss_mb": 1000.0, "rss_train_start_mb": 500.0,
             "matmul_probe_gflops": 1.0}
@@ -49,3 +50,12 @@ def test_a_slower_phase_fails_its_target_only():
     ratios["phase_s"]["optimizer"] = [0.022, 0.014]  # run 2's optimizer phase: ours slower
     rows = {row["target"].split(" ")[0]: row["met"] for row in compare_trl.gpu_targets(ratios)}
     assert rows.pop("optimizer") is False and all(rows.values())
+
+
+def test_the_time_inside_generate_is_reported_per_decode_step():
+    params = {"body": 10, "head": 5, "matmul": 15}
+    summaries = {"ours": [bench_report.summarize_run(_run([50, 40, 30], 1.0), 1, params, 1.0, "cuda")],
+                 "trl": [bench_report.summarize_run(_run([50, 40, 30], 2.0), 1, params, 1.0, "cuda")]}
+    ours, trl = bench_report.generate_call_lines(summaries)
+    assert "0.900 s inside `model.generate` of 1.000 s" in ours and "100.0 ms per decode step" in ours
+    assert trl.startswith("Generation, TRL") and "200.0 ms per decode step" in trl
