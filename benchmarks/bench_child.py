@@ -251,7 +251,8 @@ def run_ours(spec: dict, rec: Recorder, plain: bool = False) -> dict:
     datamodule = RolloutDataModule(
         spec["prompts_file"], reward_funcs=[bench_assets.first_token_parity_reward],
         num_generations=spec["num_generations"], per_device_train_batch_size=spec["per_device_train_batch_size"],
-        seed=spec["seed"], generation=GenerationParams(max_completion_length=spec["max_completion_length"], temperature=1.0),
+        seed=spec["seed"], generation=GenerationParams(max_completion_length=spec["max_completion_length"], temperature=1.0,
+                                                   generation_kwargs=spec.get("generation_kwargs")),
         sampler=spec.get("sampler", "hf_generate"), **importance,
     )
     sampler_generate = datamodule.sampler.generate

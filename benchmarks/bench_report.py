@@ -246,6 +246,7 @@ def markdown(report: dict) -> str:
             f"Our generation back-end: `{s.get('sampler', 'hf_generate')}`"
             + (f", importance-sampling correction {s.get('importance_sampling', 'default')}"
                if s.get("sampler", "hf_generate") != "hf_generate" else "")
+            + (f", generation_kwargs {s['generation_kwargs']}" if s.get("generation_kwargs") else "")
             + ("; TRL: transformers `generate`." if s.get("trl_generation", "generate") == "generate" else
                "; TRL: transformers continuous batching (`use_transformers_continuous_batching`, which casts "
                "TRL's model to bf16 in place: its training then runs on bf16 weights).")

@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
                              "hf_generate) or continuous_batching (use_transformers_continuous_batching=True: "
                              "transformers' paged engine, TRL's fastest without vLLM on a GPU; TRL casts the "
                              "model to bf16 in place for it, so its training then runs on bf16 weights)")
+    parser.add_argument("--generation-kwargs", type=json.loads, default=None, metavar="JSON",
+                        help="our data.generation.generation_kwargs (transformers GenerationConfig fields), e.g. "
+                             "'{\"cache_implementation\": \"static\", \"disable_compile\": false}' for HF generate "
+                             "with a static cache and its compiled decode step; TRL keeps its own")
     parser.add_argument("--importance-sampling", choices=("off", "default"), default="off",
                         help="our data.importance_sampling for samplers that report log-probs. off (default): as "
                              "TRL, which applies no correction when it samples with generate (its correction is "
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
             "beta": args.beta, "loss_type": args.loss_type, "learning_rate": args.learning_rate, "max_grad_norm": 1.0,
             "seed": args.seed, "bf16": bf16, "precision": "bf16 autocast, fp32 weights" if bf16 else "fp32",
             "sampler": args.sampler, "importance_sampling": args.importance_sampling, "trl_generation": args.trl_generation,
-            "attention_kernel": args.attention_kernel,
+            "attention_kernel": args.attention_kernel, "generation_kwargs": args.generation_kwargs,
         }
         runs: dict[str, list] = {impl: [] for impl in impls}
         errors = []

@@ -68,6 +68,11 @@ step kernel_pass "kernels: training pass per attention kernel, Qwen2.5-0.5B shap
   --intermediate 4864 --rows 64 --max-completion 256 --threads 8 --rounds 1 --steps 3 --modes train \
   --paths "chunked+packed+shared,chunked+packed+shared/flex,chunked+packed/flex,plain,chunked+packed" \
   --chunk-tokens auto --json "$RESULTS/forward_kernels_cuda.json"
+# Not in the default PARTS: an experiment, HF generate with a static KV cache and transformers'
+# compiled decode step (CUDA graphs), for the loop that is ~90 % of a paired step on both sides.
+step hf_static "bench15: ours with HF generate, static cache, compiled decode" 200 120 \
+  $PY benchmarks/compare_trl.py $BENCH --sampler hf_generate --impls ours --run-timeout 190 \
+  --generation-kwargs '{"cache_implementation": "static", "disable_compile": false}' --tag bench15_cuda_hf_static
 step fast "bench15: ours with fast_generate" 90 60 \
   $PY benchmarks/compare_trl.py $BENCH --sampler fast_generate --impls ours --run-timeout 80 \
   --tag bench15_cuda_fast_generate
