@@ -78,7 +78,7 @@ def summarize_run(run: dict, warmup: int, params: dict, peak_gflops: float, devi
         "matmul_probe_gflops": run["matmul_probe_gflops"],
         # Inside model.generate (both sides time the call itself) and the garbage collector, when recorded.
         **({"hf_generate_s": med(s["hf_generate_s"] for s in steps),
-            "ms_per_decode_step": med(1000 * s["hf_generate_s"] / s["decode_steps"] for s in steps if s.get("decode_steps")),
+            "ms_per_decode_step": med(1000 * s["hf_generate_s"] / s["decode_steps"] for s in steps),
             "gc_s": med(s.get("gc_s", 0.0) for s in steps)}
            if all(s.get("decode_steps") for s in steps) else {}),
         "logged_loss": [s.get("logged_loss") for s in run["steps"]],
@@ -233,6 +233,7 @@ def markdown(report: dict) -> str:
     ]
     for name, size in report["sizes"].items():
         s = size["settings"]
+        same_sampler = s.get("sampler", "hf_generate") == "hf_generate"  # ours samples as TRL's generate does
         lines += [
             f"## {name}: {size['assets']['num_parameters'] / 1e6:.2f}M parameters",
             "",
@@ -245,12 +246,12 @@ def markdown(report: dict) -> str:
             f"{s['warmup_steps']} warm-up + {s['measured_steps']} measured steps × {size['repeats']} repeats.  ",
             f"Our generation back-end: `{s.get('sampler', 'hf_generate')}`"
             + (f", importance-sampling correction {s.get('importance_sampling', 'default')}"
-               if s.get("sampler", "hf_generate") != "hf_generate" else "")
+               if not same_sampler else "")
             + (f", generation_kwargs {s['generation_kwargs']}" if s.get("generation_kwargs") else "")
             + ("; TRL: transformers `generate`." if s.get("trl_generation", "generate") == "generate" else
                "; TRL: transformers continuous batching (`use_transformers_continuous_batching`, which casts "
                "TRL's model to bf16 in place: its training then runs on bf16 weights).")
-            + ("" if s.get("sampler", "hf_generate") == "hf_generate" and s.get("trl_generation", "generate") == "generate" else
+            + ("" if same_sampler and s.get("trl_generation", "generate") == "generate" else
                " The two draw their random numbers differently: the completions differ between the trainers "
                "(same distribution), so each trainer's completion lengths are shown."),
             "",
@@ -289,17 +290,17 @@ def markdown(report: dict) -> str:
                          f"{rp['peak_rss_mb']:.2f}{gpu} | | | |")
         lines += host_peak_lines(size["runs"])
         lines += generate_call_lines(size.get("summaries", {}))
-        if s.get("sampler", "hf_generate") == "hf_generate" and r.get("unpaired_steps"):
+        if same_sampler and r.get("unpaired_steps"):
             by_step = ", ".join(f"{k}: {a:g} vs {b:g}" for k, (a, b) in enumerate(r["completion_tokens_by_step"]))
             lines += ["", f"**Not paired**: the completions differ at measured step(s) "
                           f"{', '.join(map(str, r['unpaired_steps']))} (completion tokens by step, ours vs TRL: {by_step}), "
-                          "so the ratios above compare different work. The weights moved apart after the first update; "
+                          "so the ratios above compare different work (usually the two runs' updates moved their weights apart); "
                           "rerun with `--learning-rate 1e-12` (the optimizer's full work, weights unchanged) for a "
                           "paired measurement."]
         lines += [
             "",
             f"ours/TRL tokens/s step by step (the same prompts"
-            f"{' and completions' if s.get('sampler', 'hf_generate') == 'hf_generate' and not r.get('unpaired_steps') else ''} on both sides; median = the "
+            f"{' and completions' if same_sampler and not r.get('unpaired_steps') else ''} on both sides; median = the "
             f"ratio above): {', '.join(f'{x:.2f}' for x in r['tokens_per_s_by_step'])}; ratio of the medians "
             f"{r['tokens_per_s_of_medians']:.2f}; repeat by repeat: "
             f"{', '.join(f'{x:.2f}' for x in r['tokens_per_s_pairs'])}. Total tokens / total time: ours "

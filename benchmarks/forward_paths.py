@@ -197,7 +197,7 @@ def child(args: argparse.Namespace) -> dict:
     tokens = sum(int(b[1].sum() + b[3].sum()) for b in batches[1:])
     from grpo_lightning.module import lm_head_calibration
 
-    chosen = sorted(set(lm_head_calibration._cache.values()))  # what `auto` measured and picked (CUDA)
+    chosen = lm_head_calibration.measured_chunk_tokens()  # what `auto` measured and picked (CUDA)
     return dict(path=args.path, mode=args.mode, params=params, times=times, tokens=tokens,
                 peak_mib=(peak - base) / 2**20, auto_chunk_tokens=chosen)
 

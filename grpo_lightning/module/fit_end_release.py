@@ -13,11 +13,15 @@ keeps the optimizer state for a checkpoint written after ``fit`` returns.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any, Iterable
 
 import torch
 
 from grpo_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def drop_gradients(parameters: Iterable[torch.nn.Parameter]) -> int:
@@ -40,24 +44,51 @@ def _state_bytes(state: Any) -> int:
 
 def drop_optimizer_states(optimizers: Iterable[Any]) -> tuple[int, int]:
     """Empty the per-parameter state (Adam's moments, ...) of each ``torch.optim.Optimizer``;
-    returns (how many optimizers were emptied, the bytes they held). The parameter groups (learning rates) stay. Optimizers that
-    keep their state elsewhere (DeepSpeed's ZeRO optimizers are not ``torch.optim.Optimizer``s and
-    live on the engine, which the teardown does not copy) are left alone."""
-    emptied = held = 0
-    for optimizer in optimizers:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            held += _state_bytes(dict(optimizer.state))
-            optimizer.state.clear()
-            emptied += 1
-    return emptied, held
+    returns (how many optimizers were emptied, the bytes they held). The parameter groups
+    (learning rates) stay. Optimizers that keep their state elsewhere (DeepSpeed's ZeRO
+    optimizers are not ``torch.optim.Optimizer``s and live on the engine, which the teardown does
+    not copy) are left alone."""
+    emptied = _torch_optimizers(optimizers)
+    held = sum(_state_bytes(dict(optimizer.state)) for optimizer in emptied)
+    for optimizer in emptied:
+        optimizer.state.clear()
+    return len(emptied), held
 
 
-def refuse_checkpoint_without_optimizer_state() -> None:
-    """The error of a checkpoint written after ``fit`` released the optimizer state: resuming from
-    it would silently restart Adam's moments, so it is not written."""
-    raise ConfigError(
-        "A checkpoint was asked for after fit ended, but the optimizer state was released when training "
-        "ended (it would otherwise be copied to host memory by Lightning's teardown), so the checkpoint "
-        "could not resume the run exactly. Set model.keep_optimizer_state_after_fit: true to keep it, or save "
-        "checkpoints during fit (ModelCheckpoint, trainer.save_checkpoint in a callback's on_train_end)."
-    )
+def _torch_optimizers(optimizers: Iterable[Any]) -> list[torch.optim.Optimizer]:
+    return [optimizer for optimizer in optimizers if isinstance(optimizer, torch.optim.Optimizer)]
+
+
+class TrainingStateRelease:
+    """The end-of-training release of one module: drops the gradients, and unless
+    ``keep_optimizer_state`` the optimizers' state, and refuses a checkpoint of an optimizer it
+    emptied (a later fit builds new optimizers, which checkpoint normally)."""
+
+    def __init__(self, keep_optimizer_state: bool) -> None:
+        self.keep_optimizer_state = keep_optimizer_state
+        self._emptied: list[weakref.ref] = []
+
+    def release(self, parameters: Iterable[torch.nn.Parameter], optimizers: list[Any]) -> None:
+        released = drop_gradients(parameters)
+        if not self.keep_optimizer_state:
+            _, held = drop_optimizer_states(optimizers)
+            released += held
+            self._emptied = [weakref.ref(o) for o in _torch_optimizers(optimizers)]
+        log.info("Training ended: released %.0f MB of gradients%s", released / 2**20,
+                 "" if self.keep_optimizer_state else " and optimizer state")
+
+    def released(self, optimizers: list[Any]) -> bool:
+        """Whether one of ``optimizers`` (the trainer's now) had its state emptied."""
+        emptied = [ref() for ref in self._emptied]
+        return any(o is e for o in optimizers for e in emptied)
+
+    def check_checkpoint(self, optimizers: list[Any]) -> None:
+        """Refuse a checkpoint of emptied optimizers: resuming from it would silently restart
+        Adam's moments."""
+        if self.released(optimizers):
+            raise ConfigError(
+                "A checkpoint was asked for after fit ended, but the optimizer state was released when training "
+                "ended (it would otherwise be copied to host memory by Lightning's teardown), so the checkpoint "
+                "could not resume the run exactly. Set model.keep_optimizer_state_after_fit: true to keep it, or "
+                "save checkpoints during fit (ModelCheckpoint, trainer.save_checkpoint in a callback's on_train_end)."
+            )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from contextlib import nullcontext
@@ -19,8 +18,7 @@ from grpo_lightning.module.callback_metrics import publish_step_metrics
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
 from grpo_lightning.module.entropy_selection import world_sum
-from grpo_lightning.module.fit_end_release import drop_gradients, drop_optimizer_states
-from grpo_lightning.module.fit_end_release import refuse_checkpoint_without_optimizer_state
+from grpo_lightning.module.fit_end_release import TrainingStateRelease
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
@@ -39,7 +37,6 @@ from grpo_lightning.module.training_parts import PartsBackward, StepLoss, traini
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
-log = logging.getLogger(__name__)
 
 
 class GRPOModule(pl.LightningModule):
@@ -84,10 +81,9 @@ class GRPOModule(pl.LightningModule):
         save_final_model: Export the policy and tokenizer with ``save_pretrained`` to
             ``<output_dir>/final_model`` when training ends (with ``peft_config``: the merged
             model there and the adapter alone in ``final_model/adapter``).
-        keep_optimizer_state_after_fit: Keep the optimizer state when training ends. By default
-            it is released (with the last step's gradients) before Lightning's teardown copies it
-            to host memory, two fp32 copies of the weights with AdamW; a checkpoint written after
-            ``fit`` returns is then refused. Checkpoints written during fit are unaffected.
+        keep_optimizer_state_after_fit: Keep the optimizer state when training ends; by default it
+            is released (with the last gradients) before Lightning's teardown copies it to the host,
+            and a checkpoint written after ``fit`` returns is refused (docs/resume.md).
         forward: How completion log-probs are computed (training, old and reference passes):
             ``chunked_lm_head`` (LM head on real completion tokens in chunks, no full-vocabulary
             fp32 logits), ``padding_free`` (packed sequences, no compute on padding),
@@ -166,9 +162,7 @@ class GRPOModule(pl.LightningModule):
         self.entropy_coef_metric: float | None = None
         self.output_dir = output_dir
         self.save_final_model = save_final_model
-        self.keep_optimizer_state_after_fit = keep_optimizer_state_after_fit
-        #: Whether on_train_end released the optimizer state (no exact resume from a later checkpoint).
-        self.optimizer_state_released = False
+        self._fit_end = TrainingStateRelease(keep_optimizer_state_after_fit)
         self.forward_options = forward
 
         #: The metrics of the last finished optimizer step, by their TRL names (also in
@@ -336,12 +330,8 @@ class GRPOModule(pl.LightningModule):
         loss = torch.as_tensor(self._metrics.loss, dtype=torch.float32, device=self.device)
         if self.trainer.world_size > 1:
             loss = self._all_reduce(loss, "sum") / self.trainer.world_size
-        once = {
-            "loss": float(loss),
-            "step_time": self._metrics.step_seconds(),
-            "grad_norm": self._grad_norm,
-            "learning_rate": optimizer.param_groups[0]["lr"],
-        }
+        once = {"loss": float(loss), "step_time": self._metrics.step_seconds(), "grad_norm": self._grad_norm,
+                "learning_rate": optimizer.param_groups[0]["lr"]}
         once.update(entropy_coef_metrics(self.entropy_coef, self.entropy_coef_metric))
         self.step_metrics = self._metrics.close_step(once)
         publish_step_metrics(self.trainer, self.step_metrics, prog_bar=("reward", "loss"))  # for callbacks
@@ -366,12 +356,13 @@ class GRPOModule(pl.LightningModule):
             total_steps=int(self.trainer.estimated_stepping_batches),
         )
 
-    def on_train_start(self) -> None:
-        self.optimizer_state_released = False  # a new fit has new optimizers
+    @property
+    def optimizer_state_released(self) -> bool:
+        """Whether the trainer's optimizer state was released when training ended."""
+        return self._trainer is not None and self._fit_end.released(self.trainer.optimizers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.optimizer_state_released:
-            refuse_checkpoint_without_optimizer_state()
+        self._fit_end.check_checkpoint(self.trainer.optimizers)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
@@ -382,18 +373,7 @@ class GRPOModule(pl.LightningModule):
         if self.save_final_model:
             self.export(os.path.join(self.output_dir or self.trainer.default_root_dir, "final_model"))
         self._exported_at_step = self.trainer.global_step
-        self._release_training_state()
-
-    def _release_training_state(self) -> None:
-        """Drop the last step's gradients and (unless kept) the optimizer state before the
-        strategy's teardown copies them to the host (``fit_end_release``)."""
-        released = drop_gradients(self.parameters())
-        if not self.keep_optimizer_state_after_fit:
-            emptied, held = drop_optimizer_states(self.trainer.optimizers)
-            released += held
-            self.optimizer_state_released = emptied > 0
-        log.info("Training ended: released %.0f MB of gradients%s", released / 2**20,
-                 "" if self.keep_optimizer_state_after_fit else " and optimizer state")
+        self._fit_end.release(self.parameters(), self.trainer.optimizers)  # before the teardown copies them to the host
 
     def on_fit_end(self) -> None:
         """A fit resumed from a checkpoint already at ``max_steps`` runs no training loop, so no

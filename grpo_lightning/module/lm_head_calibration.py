@@ -96,6 +96,11 @@ def auto_chunk_tokens(head: torch.nn.Module, hidden_size: int, device: torch.dev
     return chunk
 
 
+def measured_chunk_tokens() -> list[int]:
+    """The chunk sizes ``auto`` has picked in this process so far (one per measured head)."""
+    return sorted(set(_cache.values()))
+
+
 def resolve_chunk_tokens(value: int | str, head: torch.nn.Module, hidden: torch.Tensor) -> int:
     """``ForwardOptions.lm_head_chunk_tokens`` as a number: itself, or :func:`auto_chunk_tokens`
     for ``"auto"`` (``hidden``: the ``(M, H)`` states the head will run on)."""
