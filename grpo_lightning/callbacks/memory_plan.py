@@ -95,7 +95,8 @@ def plan_inputs(
         padding_free=options.padding_free, train_token_budget=options.train_token_budget,
         logprob_token_budget=options.logprob_token_budget, entropy_grad=getattr(pl_module, "entropy_coef", 0) != 0,
         attention="eager" if getattr(config, "_attn_implementation", None) == "eager" else "fused",
-        sampler=sampler_kind, device_bytes=device_bytes, **vllm,
+        sampler=sampler_kind, generation_weight_casts=bool(getattr(sampler, "cache_weight_casts", False)),
+        device_bytes=device_bytes, **vllm,
     )
     return shape, settings
 

@@ -12,6 +12,7 @@ from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode, image_inputs
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 from grpo_lightning.utils.image_positions import computes_own_positions, prefill_positions
+from grpo_lightning.utils.weight_casts import reused_weight_casts
 
 #: transformers logits processors that are pure functions of ``(input_ids, scores)``: applied
 #: unchanged to the rows still running, they process each row exactly as ``generate`` does.
@@ -56,7 +57,9 @@ class FastGenerateSampler(Sampler):
     at every step): same distribution, other samples.
 
     **Precision.** The parameters are never cast: the forward runs under the training precision
-    context (``bf16-mixed`` autocast), scores are taken in float32 (as ``generate`` does).
+    context (``bf16-mixed`` autocast), scores are taken in float32 (as ``generate`` does). Autocast's
+    weight-cast cache is on for the request (``cache_weight_casts``): each trainable weight is cast
+    to 16 bits once per request, not once per decode step.
     Gradient checkpointing is paused and the model is in eval mode while generating; every
     module's training flag is restored afterwards. Weights are gathered under sharding
     (``handle.generation_context()``).
@@ -77,18 +80,22 @@ class FastGenerateSampler(Sampler):
             generates the whole request at once.
         onednn_head: apply a float32 LM head with oneDNN on CPU (above); ``False`` always calls the
             model's own head.
+        cache_weight_casts: keep the 16-bit casts of the weights for the whole request under
+            ``*-mixed`` precision; ``False`` casts them at every decode step, saving that copy's
+            memory (2 bytes per trainable parameter).
     """
 
     name = "fast_generate"
     provides_logprobs = True
     supports_images = True
 
-    def __init__(self, max_batch_rows: int | None = None, onednn_head: bool = True):
+    def __init__(self, max_batch_rows: int | None = None, onednn_head: bool = True, cache_weight_casts: bool = True):
         super().__init__()
         if max_batch_rows is not None and max_batch_rows < 1:
             raise ValueError(f"max_batch_rows={max_batch_rows}: use a positive number or None.")
         self.max_batch_rows = max_batch_rows
         self.onednn_head = onednn_head
+        self.cache_weight_casts = cache_weight_casts
 
     def generate(
         self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams
@@ -104,7 +111,8 @@ class FastGenerateSampler(Sampler):
         step = self.max_batch_rows or len(rows)
         stop, version = set(handle.eos_token_ids), handle.policy_version
         rollouts: list[Rollout] = []
-        with handle.generation_context(), generation_mode(model), _eval_mode(model), handle.precision_context():
+        with handle.generation_context(), generation_mode(model), _eval_mode(model), handle.precision_context(), \
+                reused_weight_casts(handle.device, self.cache_weight_casts):
             for start in range(0, len(rows), step):
                 chunk = rows[start : start + step]
                 ids, logprobs = self._decode(model, chunk, config, generator)

@@ -24,6 +24,7 @@ from grpo_lightning.rewards.runner import EXCLUDED_COLUMNS, RESERVED_KWARGS
 from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.hf_common import generation_mode
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
+from grpo_lightning.utils.weight_casts import reused_weight_casts
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 #: Keys with a meaning of their own (TRL): ``env_mask`` becomes the tool mask (1 = policy token,
@@ -82,11 +83,13 @@ class RolloutContext:
     def generating(self) -> Iterator[None]:
         """Everything that sampling from ``policy`` needs, as the built-in samplers do it: whole
         weights, the training precision, ``torch.no_grad``, the KV cache on and gradient
-        checkpointing off."""
+        checkpointing off. Under ``*-mixed`` precision each trainable weight is cast to 16 bits once
+        for the block, not at every forward (autocast's weight-cast cache, emptied on exit)."""
         with ExitStack() as stack:
             stack.enter_context(self.generation_context())
             stack.enter_context(generation_mode(self.policy))
             stack.enter_context(self.precision_context())
+            stack.enter_context(reused_weight_casts(self.device))
             yield
 
 

@@ -120,6 +120,8 @@ class MemorySettings:
         entropy_grad: the entropy bonus is on (``entropy_coef != 0``): its gradient is built too.
         attention: ``fused`` (sdpa/flash kernels: memory linear in ``T``) or ``eager``.
         sampler: ``hf`` (generate on the policy: a KV cache), ``vllm_colocate`` or ``external``.
+        generation_weight_casts: an ``hf`` sampler keeps autocast's 16-bit casts of the trainable
+            weights for a whole request (its ``cache_weight_casts``; only under ``*-mixed``).
         vllm_gpu_memory_utilization / vllm_kv_cache_bytes / vllm_sleep_mode: the colocated engine.
         device_bytes: the device's memory (for the vLLM share and the report).
     """
@@ -147,6 +149,7 @@ class MemorySettings:
     entropy_grad: bool = False
     attention: Literal["fused", "eager"] = "fused"
     sampler: SamplerKind = "hf"
+    generation_weight_casts: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_bytes: int | None = None
     vllm_sleep_mode: bool = False
@@ -341,8 +344,8 @@ def estimate_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     # forward and saved for backward by every layer's attention.
     add("attention mask", rows_pass * seq * seq, "training", f"{rows_pass} x {seq}^2 x 1 B")
     if s.mixed:
-        # Autocast caches the 16-bit cast of every trainable leaf weight until the forward ends;
-        # backward reuses them (saved), so they live through the training pass.
+        # Every linear saves the 16-bit cast of its weight for backward (Lightning's autocast does
+        # not cache casts; the saved copies add up to the same), so they live through the pass.
         add("autocast 16-bit weight copies", T_ * 2 // div(shard_w), "training", f"{T_:,} x 2 B")
     if shard_w:
         # FSDP/ZeRO-3 gather one block's full weights at a time, and prefetch the next.
@@ -369,6 +372,11 @@ def estimate_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         # and the sampler's fp32 copies of them (scores, processed scores, probabilities).
         prefill = g * s.prompt_length * ((3 * h) * s.residual_bytes + (4 * shape.intermediate_size + shape.q) * cb)
         add("prefill + sampling buffers", prefill + 3 * g * V * 4, "generation", f"{g} x {s.prompt_length} prompt tokens; 3 x {g} x {V} x 4 B")
+    if s.sampler == "hf" and s.generation_weight_casts and s.mixed and not deepspeed:
+        # Autocast's weight-cast cache, on for the request (utils/weight_casts.py): one 16-bit copy
+        # of every trainable weight, whole even under sharding (the request gathers the weights).
+        add("autocast 16-bit weight copies (generation)", T_ * 2, "generation",
+            f"{T_:,} trainable x 2 B (sampler cache_weight_casts)")
     if shard_w and s.sampler == "hf":
         add("gathered weights (generation)", P_all * module_bytes * (W - 1) // W, "generation",
             f"the other {W - 1}/{W} of {P_all:,} x {module_bytes} B (generation_context)")

@@ -61,6 +61,8 @@ def test_logs_the_plan_once_and_reads_the_run(tmp_path, caplog):
     assert s.reference and not s.gradient_checkpointing and s.optimizer == "adamw" and s.precision == "32-true"
     assert s.trainable_parameters == plan.shape.num_parameters  # the config's count equals the module's
     assert s.logprob_rows == 16 and s.generation_rows == 16
+    assert s.generation_weight_casts, "the default sampler (hf_generate) keeps its weight casts per request"
+    assert all(x.name != "autocast 16-bit weight copies (generation)" for x in plan.lines), "none under 32-true"
     # benchmarks/memory_plan_check.py measured errors of -25 % to +36 % on CPU (docs/memory.md), on top of a
     # ~50 MiB floor of framework working memory the plan does not count (here: estimate ~83 MiB, peak
     # ~127 MiB); this in-process run also shares the heap with earlier tests (reused freed memory lowers
