@@ -107,7 +107,7 @@ def test_print_config_writes_loss_and_sampler_names_in_full(config_file, capsys)
     assert printed["model"]["loss"]["init_args"]["beta"] == 0.0
     assert printed["data"]["sampler"] == {
         "class_path": "grpo_lightning.samplers.HFGenerateSampler",
-        "init_args": {"cache_implementation": None, "max_batch_rows": None},
+        "init_args": {"cache_implementation": None, "max_batch_rows": None, "cache_weight_casts": True},
     }
 
 

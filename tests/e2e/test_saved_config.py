@@ -25,7 +25,8 @@ def test_saved_quickstart_config_lists_every_knob_and_reruns(tmp_path, monkeypat
     loss = saved["model"]["loss"]  # `loss: dapo` in the quickstart
     assert loss["class_path"] == "grpo_lightning.losses.DAPOLoss"
     assert {"epsilon": 0.2, "beta": 0.0, "epsilon_high": None}.items() <= loss["init_args"].items()
-    assert saved["data"]["sampler"]["init_args"] == {"cache_implementation": None, "max_batch_rows": None}
+    assert saved["data"]["sampler"]["init_args"] == {"cache_implementation": None, "max_batch_rows": None,
+                                                  "cache_weight_casts": True}
     assert saved["trainer"]["logger"] is None  # the default MLflow store follows default_root_dir on a re-run
 
     second = tmp_path / "second"
