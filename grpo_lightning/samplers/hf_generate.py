@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
@@ -11,7 +12,10 @@ from grpo_lightning.samplers.hf_common import build_generation_config, completio
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 from grpo_lightning.utils.weight_casts import reused_weight_casts
 
-__all__ = ["HFGenerateSampler", "generation_mode"]
+__all__ = ["HFGenerateSampler", "generation_mode", "STATIC_CACHE_BUCKET", "static_cache_length"]
+
+#: A static KV cache is sized in whole buckets of this many positions (see ``static_cache_length``).
+STATIC_CACHE_BUCKET = 256
 
 
 class HFGenerateSampler(Sampler):
@@ -31,7 +35,11 @@ class HFGenerateSampler(Sampler):
 
     Args:
         cache_implementation: KV-cache implementation passed to ``GenerationConfig``
-            (e.g. ``"static"``); ``None`` uses the model's default dynamic cache.
+            (e.g. ``"static"``); ``None`` uses the model's default dynamic cache. A static cache
+            (also one set in ``generation_kwargs``) is sized in buckets of 256 positions unless
+            ``generation_kwargs`` give ``max_cache_len``, so that a compiled decode step
+            (``disable_compile: false``) recompiles only when a request outgrows its bucket, not
+            at every new prompt width.
         max_batch_rows: generate at most this many sequences per ``generate`` call, to bound
             memory; ``None`` generates the whole request at once.
         cache_weight_casts: keep the 16-bit casts of the weights for the whole request under
@@ -81,6 +89,8 @@ class HFGenerateSampler(Sampler):
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids) :] = 1
         extra = image_inputs(rows, width)  # (R, ...) pixel inputs of image prompts, else {}
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        config = static_cache_length(config, width, positions)
         sequences = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
@@ -91,3 +101,23 @@ class HFGenerateSampler(Sampler):
         stop = set(handle.eos_token_ids)
         return [completion_rollout(list(prompt), ids, stop, handle.policy_version)
                 for prompt, ids in zip(rows, completions)]
+
+
+def static_cache_length(config: Any, prompt_width: int, context_limit: int | None = None) -> Any:
+    """``config`` with ``max_cache_len`` set for a static cache: ``prompt_width + max_new_tokens``
+    rounded up to whole :data:`STATIC_CACHE_BUCKET` s, but not past the model's ``context_limit``
+    when the request itself fits in it. Without it ``generate`` sizes the cache to
+    each call's own length, so every longer prompt width builds a new cache shape (and, with the
+    compiled decode step, a new compilation). A dynamic cache, or a ``max_cache_len`` already set,
+    leaves ``config`` as it is; otherwise a copy is returned."""
+    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+    if config.cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS or config.max_cache_len is not None:
+        return config
+    needed = prompt_width + config.max_new_tokens
+    sized = copy.deepcopy(config)
+    bucketed = -(-needed // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+    if context_limit is not None and needed <= context_limit < bucketed:
+        bucketed = context_limit
+    sized.max_cache_len = bucketed
+    return sized
