@@ -8,7 +8,8 @@
 #     DEADLINE_S=540 bash scripts/gpu/issue15_one_call.sh $OUT
 #
 # Order: ours vs TRL with HF generate (the headline) -> the learning curve -> the attention-kernel
-# CUDA tests -> the training pass per kernel -> ours with fast_generate -> the host-RSS loading
+# CUDA tests -> the training pass per kernel -> ours with HF generate on a static cache, compiled (only
+# when named) -> ours with fast_generate -> ms per decode step per precision set-up -> the host-RSS loading
 # check -> continuous batching on both sides (only if time is left). Every part logs to
 # OUT/log.txt as it runs; the result files are packed into OUT/results.tgz at the end (a device
 # call returns at most 8 files). A part that fails or runs out of time prints `... FAILED` or
@@ -24,7 +25,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
 left() { echo $(( DEADLINE - $(date +%s) )); }
-PARTS=${PARTS:-hf,learn,kernel_tests,kernel_pass,fast,rss,cb}  # a rerun names only what is missing
+PARTS=${PARTS:-hf,learn,kernel_tests,kernel_pass,fast,decode,rss,cb}  # a rerun names only what is missing
 # step KEY NAME CAP_S MIN_S COMMAND...: run COMMAND under timeout min(CAP_S, time left); skip it when
 # KEY is not in PARTS or fewer than MIN_S seconds are left.
 step() {
@@ -76,6 +77,12 @@ step hf_static "bench15: ours with HF generate, static cache, compiled decode" 2
 step fast "bench15: ours with fast_generate" 90 60 \
   $PY benchmarks/compare_trl.py $BENCH --sampler fast_generate --impls ours --run-timeout 80 \
   --tag bench15_cuda_fast_generate
+# ms per HF decode step at the real shape, eager (fp32, autocast, autocast + cast cache) against the
+# compiled static-cache step: how much of the host-bound loop the precision set-up and CUDA graphs move.
+step decode "decode step: ms per HF generate decode step per precision set-up, Qwen2.5-0.5B shape" 150 60 \
+  $PY benchmarks/decode_step_cost.py --device cuda --hidden 896 --heads 14 --intermediate 4864 --vocab 151936 \
+  --rows 64 --new-tokens 64 --repeats 3 --threads 8 --modes fp32,autocast,autocast+cast_cache,autocast+static_compiled \
+  --out "$RESULTS/decode_step_cost_cuda"
 step rss "host RSS: loading the Qwen2.5-0.5B shape and moving it to the GPU" 70 40 \
   $PY benchmarks/host_rss.py --device cuda --json "$RESULTS/host_rss_cuda.json"
 if compgen -G ".gpu_wheels/transformers/*.whl" > /dev/null; then  # continuous batching needs transformers >= 5.18
