@@ -26,7 +26,7 @@ casting fewer tensors shrinks. Modes:
 Each mode: a warm-up call, then ``--repeats`` timed calls of ``--new-tokens`` decode steps
 (``min_new_tokens`` = ``max_new_tokens``, sampling at temperature 1), the modes taking turns call by
 call so that a drifting machine load hits each alike; the median is reported with
-the number of casts (``aten::_to_copy``) and matmuls a step runs, counted by the profiler.
+the number of casts (``aten::_to_copy``) and matmuls a step runs, counted by the profiler over a call.
 """
 
 from __future__ import annotations
@@ -103,15 +103,20 @@ def timed_call(model, inputs: dict, config, mode: str, device: str) -> float:
     return (time.perf_counter() - started) / config.max_new_tokens
 
 
-def ops_per_step(model, inputs: dict, config, mode: str, device: str) -> dict[str, int]:
+def ops_per_step(model, inputs: dict, config, mode: str, device: str) -> dict[str, float]:
+    """Casts (``aten::_to_copy``) and matmuls of one call, and per forward (a call of N new tokens
+    runs N forwards: the prefill and N - 1 decode steps; casts made once per call, such as the
+    cached weights', count 1/N)."""
     from torch.profiler import profile
 
     with profile() as prof:
         timed_call(model, inputs, config, mode, device)
     counts = {e.key: e.count for e in prof.key_averages()}
-    steps = config.max_new_tokens
-    return {"casts": counts.get("aten::_to_copy", 0) // steps,
-            "matmuls": (counts.get("aten::mm", 0) + counts.get("aten::addmm", 0)) // steps}
+    casts = counts.get("aten::_to_copy", 0)
+    matmuls = counts.get("aten::mm", 0) + counts.get("aten::addmm", 0)
+    forwards = config.max_new_tokens
+    return {"casts_per_call": casts, "matmuls_per_call": matmuls,
+            "casts": round(casts / forwards, 1), "matmuls": round(matmuls / forwards, 1)}
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
