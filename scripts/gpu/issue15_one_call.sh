@@ -81,7 +81,7 @@ step fast "bench15: ours with fast_generate" 90 60 \
 # compiled static-cache step: how much of the host-bound loop the precision set-up and CUDA graphs move.
 step decode "decode step: ms per HF generate decode step per precision set-up, Qwen2.5-0.5B shape" 150 60 \
   $PY benchmarks/decode_step_cost.py --device cuda --hidden 896 --heads 14 --intermediate 4864 --vocab 151936 \
-  --rows 64 --new-tokens 64 --repeats 3 --threads 8 --modes fp32,autocast,autocast+cast_cache,autocast+static_compiled \
+  --rows 64 --new-tokens 32 --repeats 3 --threads 8 --modes fp32,autocast,autocast+cast_cache,autocast+static_compiled \
   --out "$RESULTS/decode_step_cost_cuda"
 step rss "host RSS: loading the Qwen2.5-0.5B shape and moving it to the GPU" 70 40 \
   $PY benchmarks/host_rss.py --device cuda --json "$RESULTS/host_rss_cuda.json"
