@@ -37,7 +37,8 @@ class HFGenerateSampler(Sampler):
         cache_implementation: KV-cache implementation passed to ``GenerationConfig``
             (e.g. ``"static"``); ``None`` uses the model's default dynamic cache. A static cache
             (also one set in ``generation_kwargs``) is sized in buckets of 256 positions unless
-            ``generation_kwargs`` give ``max_cache_len``, so that a compiled decode step
+            ``generation_kwargs`` give ``max_cache_len`` (one size per request, from its widest
+            prompt, capped at the model's context), so that a compiled decode step
             (``disable_compile: false``) recompiles only when a request outgrows its bucket, not
             at every new prompt width.
         max_batch_rows: generate at most this many sequences per ``generate`` call, to bound
@@ -69,8 +70,10 @@ class HFGenerateSampler(Sampler):
     ) -> list[Rollout]:
         rows = [p for p in prompts for _ in range(num_generations)]  # image prompts keep their inputs
         step = self.max_batch_rows or len(rows)
-        config = self.generation_config(params)
         handle = self.handle
+        # One cache size for every call of the request, from its widest prompt.
+        config = static_cache_length(self.generation_config(params), max(map(len, rows), default=0),
+                                     getattr(handle, "max_context_length", None))
         rollouts: list[Rollout] = []
         with handle.generation_context(), generation_mode(handle.policy), handle.precision_context(), \
                 reused_weight_casts(handle.device, self.cache_weight_casts):
@@ -89,8 +92,6 @@ class HFGenerateSampler(Sampler):
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids) :] = 1
         extra = image_inputs(rows, width)  # (R, ...) pixel inputs of image prompts, else {}
-        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        config = static_cache_length(config, width, positions)
         sequences = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),

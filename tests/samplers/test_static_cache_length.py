@@ -54,3 +54,26 @@ def test_the_bucket_stops_at_the_model_context_when_the_request_fits():
     config = GenerationConfig(max_new_tokens=100, cache_implementation="static")
     assert static_cache_length(config, 300, context_limit=448).max_cache_len == 448
     assert static_cache_length(config, 400, context_limit=448).max_cache_len == 512, "a request past it keeps its bucket"
+
+
+def test_every_call_of_a_request_shares_the_widest_prompt_s_cache_size(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    module = built(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False))
+    sampler = HFGenerateSampler(cache_implementation="static", max_batch_rows=2)
+    sampler.bind(module)
+    lengths = []
+    original = type(module.policy).generate
+
+    def spy(model, *args, generation_config=None, **kwargs):
+        lengths.append(generation_config.max_cache_len)
+        return original(model, *args, generation_config=generation_config, **kwargs)
+
+    monkeypatch.setattr(type(module.policy), "generate", spy)
+    narrow = module.tokenizer("1+2=")["input_ids"]
+    wide = module.tokenizer("1+" * 125 + "=")["input_ids"]  # past one bucket with the new tokens
+    assert len(narrow) + 8 <= STATIC_CACHE_BUCKET < len(wide) + 8
+    sampler.generate([narrow, wide], 2, GenerationParams(max_completion_length=8))
+    expected = 2 * STATIC_CACHE_BUCKET
+    if module.max_context_length is not None and len(wide) + 8 <= module.max_context_length < expected:
+        expected = module.max_context_length
+    assert lengths == [expected, expected], "the narrow call is sized for the wide one"
