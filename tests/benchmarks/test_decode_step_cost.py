@@ -14,7 +14,7 @@ decode_step_cost = _load("decode_step_cost")
 def test_every_eager_mode_is_timed_and_the_cast_cache_casts_less():
     args = argparse.Namespace(device="cpu", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128,
                               rows=4, prompt_tokens=6, new_tokens=3, repeats=1, threads=1,
-                              modes=decode_step_cost.DEFAULT_MODES.split(","))
+                              modes=list(decode_step_cost.DEFAULT_MODES))
     rows = {r["mode"]: r for r in decode_step_cost.measure(args)}
     assert list(rows) == ["fp32", "autocast", "autocast+cast_cache"]
     assert all(r["ms_per_step"] > 0 and len(r["ms_per_step_all"]) == 1 for r in rows.values())
