@@ -13,6 +13,23 @@ from grpo_lightning.types import GenerationParams
 from tests.helpers import built, make_model_dir
 
 
+def _bound_sampler(tmp_path, monkeypatch, **sampler_args):
+    """A static-cache HFGenerateSampler on a tiny module, and the max_cache_len of each generate call."""
+    torch.manual_seed(0)
+    module = built(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False))
+    sampler = HFGenerateSampler(cache_implementation="static", **sampler_args)
+    sampler.bind(module)
+    lengths: list[int] = []
+    original = type(module.policy).generate
+
+    def spy(model, *args, generation_config=None, **kwargs):
+        lengths.append(generation_config.max_cache_len)
+        return original(model, *args, generation_config=generation_config, **kwargs)
+
+    monkeypatch.setattr(type(module.policy), "generate", spy)
+    return module, sampler, lengths
+
+
 def test_static_cache_length_rounds_up_to_the_bucket():
     config = GenerationConfig(max_new_tokens=100, cache_implementation="static")
     assert static_cache_length(config, 30).max_cache_len == STATIC_CACHE_BUCKET
@@ -29,18 +46,7 @@ def test_dynamic_cache_and_a_given_length_are_left_alone():
 
 
 def test_requests_of_other_widths_generate_on_one_cache_shape(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    module = built(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False))
-    sampler = HFGenerateSampler(cache_implementation="static")
-    sampler.bind(module)
-    lengths = []
-    original = type(module.policy).generate
-
-    def spy(model, *args, generation_config=None, **kwargs):
-        lengths.append(generation_config.max_cache_len)
-        return original(model, *args, generation_config=generation_config, **kwargs)
-
-    monkeypatch.setattr(type(module.policy), "generate", spy)
+    module, sampler, lengths = _bound_sampler(tmp_path, monkeypatch)
     params = GenerationParams(max_completion_length=8)
     for text in ("1+2=", "12+34+56+78="):
         prompt = module.tokenizer(text)["input_ids"]
@@ -57,18 +63,7 @@ def test_the_bucket_stops_at_the_model_context_when_the_request_fits():
 
 
 def test_every_call_of_a_request_shares_the_widest_prompt_s_cache_size(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    module = built(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False))
-    sampler = HFGenerateSampler(cache_implementation="static", max_batch_rows=2)
-    sampler.bind(module)
-    lengths = []
-    original = type(module.policy).generate
-
-    def spy(model, *args, generation_config=None, **kwargs):
-        lengths.append(generation_config.max_cache_len)
-        return original(model, *args, generation_config=generation_config, **kwargs)
-
-    monkeypatch.setattr(type(module.policy), "generate", spy)
+    module, sampler, lengths = _bound_sampler(tmp_path, monkeypatch, max_batch_rows=2)
     narrow = module.tokenizer("1+2=")["input_ids"]
     wide = module.tokenizer("1+" * 125 + "=")["input_ids"]  # past one bucket with the new tokens
     assert len(narrow) + 8 <= STATIC_CACHE_BUCKET < len(wide) + 8
