@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 from pathlib import Path
 
@@ -62,11 +63,43 @@ def built(module):
     return module
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing and port-0 sockets (Linux default 32768-60999)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (free when this returns)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on, for a child process to bind later.
+
+    Binding port 0 would hand out an *ephemeral* port, and between closing it here and the child
+    binding it the kernel may give that same port to any outgoing connection (gloo's own pair
+    sockets, the rendezvous client): the child then fails with "address already in use". So pick
+    at random below the ephemeral range, where the kernel never assigns ports on its own, check
+    the port binds, and never hand the same one out twice in this test process.
+    """
+    low_ephemeral, high_ephemeral = _ephemeral_port_range()
+    low, high = (20000, low_ephemeral) if low_ephemeral > 21000 else (high_ephemeral + 1, 65535)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high}) after 200 tries")
 
 
 def count_forward_paths() -> dict[str, int]:
