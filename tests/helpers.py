@@ -64,6 +64,7 @@ def built(module):
 
 
 _PORTS_HANDED_OUT: set[int] = set()
+_PORT_RNG = random.SystemRandom()  # not reseeded by tests that seed ``random``
 
 
 def _ephemeral_port_range() -> tuple[int, int]:
@@ -75,20 +76,30 @@ def _ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _non_ephemeral_ports() -> tuple[int, int]:
+    """``[low, high)``: the wider of the gaps below (from 20000, clear of well-known service ports)
+    and above the ephemeral range."""
+    low_ephemeral, high_ephemeral = _ephemeral_port_range()
+    below, above = (20000, low_ephemeral), (high_ephemeral + 1, 65536)
+    low, high = max(below, above, key=lambda gap: gap[1] - gap[0])
+    if high - low < 100:
+        raise RuntimeError(f"ephemeral port range {low_ephemeral}-{high_ephemeral} leaves no ports for test "
+                           "servers; narrow net.ipv4.ip_local_port_range")
+    return low, high
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on, for a child process to bind later.
 
     Binding port 0 would hand out an *ephemeral* port, and between closing it here and the child
     binding it the kernel may give that same port to any outgoing connection (gloo's own pair
     sockets, the rendezvous client): the child then fails with "address already in use". So pick
-    at random below the ephemeral range, where the kernel never assigns ports on its own, check
+    at random outside the ephemeral range, where the kernel never assigns ports on its own, check
     the port binds, and never hand the same one out twice in this test process.
     """
-    low_ephemeral, high_ephemeral = _ephemeral_port_range()
-    low, high = (20000, low_ephemeral) if low_ephemeral > 21000 else (high_ephemeral + 1, 65535)
-    rng = random.SystemRandom()
+    low, high = _non_ephemeral_ports()
     for _ in range(200):
-        port = rng.randrange(low, high)
+        port = _PORT_RNG.randrange(low, high)
         if port in _PORTS_HANDED_OUT:
             continue
         with socket.socket() as sock:
