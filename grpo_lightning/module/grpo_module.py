@@ -16,8 +16,7 @@ from grpo_lightning.losses import LossOutput, MicroBatchTotals, PolicyLoss, get_
 from grpo_lightning.losses.clipped import DAPOLoss
 from grpo_lightning.module.callback_metrics import publish_step_metrics
 from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspeed_grad_norm, deepspeed_step_applied
-from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics
-from grpo_lightning.module.entropy_selection import world_sum
+from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics, world_sum
 from grpo_lightning.module.fit_end_release import TrainingStateRelease
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
@@ -30,13 +29,13 @@ from grpo_lightning.module.optimizer_settings import build_optimizer, check_opti
 from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
+from grpo_lightning.module.step_gradients import StepGradients
 from grpo_lightning.module.step_logging import FlushStepLogs, log_metrics
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
 from grpo_lightning.utils.lazy_defaults import fresh_instance
-
 
 
 class GRPOModule(pl.LightningModule):
@@ -172,6 +171,7 @@ class GRPOModule(pl.LightningModule):
         self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
         self._parts = PartsBackward()
         self._grad_norm = math.nan
+        self._step_gradients = StepGradients()  # dropped when their step ends, not in the next one
         self._exported_at_step: int | None = None  # on_train_end's export, for on_fit_end
 
     # ------------------------------------------------------------------------- models
@@ -291,10 +291,7 @@ class GRPOModule(pl.LightningModule):
         window = self._eval_windows.setdefault(batch.metric_prefix, MetricsWindow())
         window.add(batch.generation_metrics)
         window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
-        loss = out.loss.detach()
-        if self.trainer.world_size > 1:
-            loss = self._all_reduce(loss, "sum") / self.trainer.world_size
-        window.add({"loss": float(loss)})
+        window.add({"loss": float(self._world_mean(out.loss.detach()))})
 
     def on_validation_epoch_end(self) -> None:
         windows, self._eval_windows = self._eval_windows, {}
@@ -325,11 +322,14 @@ class GRPOModule(pl.LightningModule):
         if deepspeed_step_applied(self.trainer):  # the micro-step that ended DeepSpeed's window
             self._grad_norm = deepspeed_grad_norm(self.trainer)
             self._publish_step_metrics(optimizer)
+        elif not self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed's engine zeroes its own
+            self._step_gradients.step_applied()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._step_gradients.release(self.trainer.optimizers)  # after every callback's (step_gradients.py)
 
     def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
-        loss = torch.as_tensor(self._metrics.loss, dtype=torch.float32, device=self.device)
-        if self.trainer.world_size > 1:
-            loss = self._all_reduce(loss, "sum") / self.trainer.world_size
+        loss = self._world_mean(torch.as_tensor(self._metrics.loss, dtype=torch.float32, device=self.device))
         once = {"loss": float(loss), "step_time": self._metrics.step_seconds(), "grad_norm": self._grad_norm,
                 "learning_rate": optimizer.param_groups[0]["lr"]}
         once.update(entropy_coef_metrics(self.entropy_coef, self.entropy_coef_metric))
@@ -346,6 +346,9 @@ class GRPOModule(pl.LightningModule):
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return self.trainer.strategy.reduce(tensor.clone().to(self.device), reduce_op=op)
+
+    def _world_mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(value, "sum") / self.trainer.world_size if self.trainer.world_size > 1 else value
 
     # ---------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:

@@ -41,6 +41,8 @@ EVENTS = {
     "on_epoch_end": "on_train_epoch_end",
     "on_step_begin": "on_train_batch_start of an optimizer step's first micro-batch",
     "on_substep_end": "on_train_batch_end of a micro-batch that does not end an optimizer step",
+    "on_optimizer_step": "on_train_batch_end of the micro-batch that ends an optimizer step, before on_step_end: the "
+                         "gradients the step applied are still there (the module drops them after every callback)",
     "on_step_end": "on_train_batch_end of the micro-batch that ends an optimizer step",
     "on_log": "each time the step (or evaluation) metrics are logged, with logs= those metrics",
     "on_evaluate": "on_validation_end, with metrics= the evaluation's eval_* metrics",
@@ -50,7 +52,6 @@ EVENTS = {
 UNSUPPORTED = {
     "on_pre_optimizer_step": "Lightning clips gradients after its last hook before the optimizer step, so nothing "
                              "runs where HF calls it (after clipping)",
-    "on_optimizer_step": "Lightning has no hook between the optimizer step and zero_grad",
     "on_predict": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
     "on_prediction_step": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
 }
@@ -188,6 +189,7 @@ class TrainerCallbacks(pl.Callback):
         loss = (getattr(pl_module, "step_metrics", None) or {}).get("loss")
         if loss is not None:
             self.step_losses.append(float(loss))
+        self._fire("on_optimizer_step", step_offset=-1)  # as HF: before global_step counts the step
         self._fire("on_step_end")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -236,10 +238,10 @@ class TrainerCallbacks(pl.Callback):
         self._fire("on_log", logs=logs)
 
     # ------------------------------------------------------------------ HF events
-    def _fire(self, event: str, **kwargs: Any) -> None:
+    def _fire(self, event: str, step_offset: int = 0, **kwargs: Any) -> None:
         if not self.callbacks:
             return
-        self._sync_state()
+        self._sync_state(step_offset)
         extra = self._objects()
         for callback in self.callbacks:
             handler = getattr(callback, event, None)
@@ -254,13 +256,13 @@ class TrainerCallbacks(pl.Callback):
         """``on_push_begin`` (called by ``GRPOTrainer.push_to_hub``)."""
         self._fire("on_push_begin")
 
-    def _sync_state(self) -> None:
+    def _sync_state(self, step_offset: int = 0) -> None:
         state, trainer, args = self.state, self._trainer, self.args
         state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
         state.train_batch_size, state.num_train_epochs = args.per_device_train_batch_size, args.num_train_epochs
         if trainer is None:
             return
-        state.global_step, state.epoch = trainer.global_step, self.epoch
+        state.global_step, state.epoch = trainer.global_step + step_offset, self.epoch
         if trainer.max_steps and trainer.max_steps > 0:
             state.max_steps = trainer.max_steps
         state.is_world_process_zero = trainer.is_global_zero

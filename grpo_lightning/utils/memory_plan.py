@@ -13,10 +13,11 @@ vocabulary, ``q = n_heads·head_dim``, ``kv = n_kv_heads·head_dim``, ``B`` rows
 A run's memory has a persistent part (weights, reference, gradients, optimizer states) and, at
 any moment, the transients of one phase: generation, the no-grad log-prob passes, the training
 forward+backward, the optimizer step. The peak is the persistent part plus the largest phase.
-Gradients count as persistent: from the second step on they are alive from one backward to the
-next ``zero_grad`` (which Lightning calls right before the next ``training_step``, i.e. after the
-next generation), and in the first step they are allocated during the backward while the
-saved activations are still mostly alive. Each phase is a worst case: every completion runs to
+Gradients count as persistent: they are alive from a backward to the end of its optimizer step,
+through every micro-batch of an accumulation window, and they are allocated during the backward
+while the saved activations are still mostly alive. The module drops them when the step ends
+(``module/step_gradients.py``), so a generation at a window's start (the default) runs without
+them: for it the plan is an upper bound by their size. Each phase is a worst case: every completion runs to
 ``max_completion_length`` and every prompt is as long as ``prompt_length``.
 
 Layer L0: pure python.

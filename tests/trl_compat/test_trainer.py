@@ -26,6 +26,7 @@ class EventLog:
         self.events: list[tuple[str, int]] = []
         self.logs: list[dict] = []
         self.eval_metrics: list[dict] = []
+        self.gradients_at_optimizer_step: list[bool] = []
 
     def _note(self, name, state):
         self.events.append((name, state.global_step))
@@ -36,6 +37,10 @@ class EventLog:
     def on_step_begin(self, args, state, control, **kw): self._note("on_step_begin", state)  # noqa: E704
     def on_substep_end(self, args, state, control, **kw): self._note("on_substep_end", state)  # noqa: E704
     def on_step_end(self, args, state, control, **kw): self._note("on_step_end", state)  # noqa: E704
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):  # HF: "useful for monitoring gradients"
+        self._note("on_optimizer_step", state)
+        self.gradients_at_optimizer_step.append(all(p.grad is not None for p in model.parameters() if p.requires_grad))
     def on_save(self, args, state, control, **kw): self._note("on_save", state)  # noqa: E704
     def on_train_end(self, args, state, control, **kw): self._note("on_train_end", state)  # noqa: E704
     def on_push_begin(self, args, state, control, **kw): self._note("on_push_begin", state)  # noqa: E704
@@ -80,10 +85,13 @@ def test_train_evaluate_save_and_push(tiny_model, prompts, tmp_path, monkeypatch
     assert names[0] == "on_init_end" and names.count("on_init_end") == 1  # once, at the first setup (evaluate)
     assert names.index("on_evaluate") < names.index("on_train_begin") < names.index("on_epoch_begin") < \
         names.index("on_step_begin")
-    train_events = [(n, s) for n, s in events.events if n in ("on_step_begin", "on_substep_end", "on_step_end")]
-    # gradient_accumulation_steps=2: each optimizer step is begin, one sub-step, end (global_step after the step)
-    assert train_events == [("on_step_begin", 0), ("on_substep_end", 0), ("on_step_end", 1),
-                            ("on_step_begin", 1), ("on_substep_end", 1), ("on_step_end", 2)]
+    train_events = [(n, s) for n, s in events.events
+                    if n in ("on_step_begin", "on_substep_end", "on_optimizer_step", "on_step_end")]
+    # gradient_accumulation_steps=2: each optimizer step is begin, one sub-step, the optimizer step (global_step
+    # before it counts, as HF), end (global_step after the step)
+    assert train_events == [("on_step_begin", 0), ("on_substep_end", 0), ("on_optimizer_step", 0), ("on_step_end", 1),
+                            ("on_step_begin", 1), ("on_substep_end", 1), ("on_optimizer_step", 1), ("on_step_end", 2)]
+    assert events.gradients_at_optimizer_step == [True, True]  # the gradients the step applied
     assert ("on_save", 1) in events.events and ("on_save", 2) in events.events  # save_steps=1
     assert names[-1] == "on_train_end"
 
@@ -143,13 +151,13 @@ def _tokenizer(path):
 def test_an_unsupported_callback_event_is_refused_before_anything_runs(tiny_model, prompts, tmp_path):
     from transformers import TrainerCallback
 
-    class OnOptimizerStep(TrainerCallback):
-        def on_optimizer_step(self, args, state, control, **kwargs):
+    class OnPreOptimizerStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
             pass
 
-    with pytest.raises(ConfigError, match=r"on_optimizer_step.*Supported events: on_init_end"):
+    with pytest.raises(ConfigError, match=r"on_pre_optimizer_step.*Supported events: on_init_end"):
         GRPOTrainer(model=tiny_model, reward_funcs=length_reward, train_dataset=prompts,
-                    args=GRPOConfig(output_dir=str(tmp_path)), callbacks=[OnOptimizerStep()])
+                    args=GRPOConfig(output_dir=str(tmp_path)), callbacks=[OnPreOptimizerStep()])
 
 
 def test_a_scheduler_object_is_refused_with_the_setting_to_use(tiny_model, prompts, tmp_path):
