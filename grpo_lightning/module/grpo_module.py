@@ -170,7 +170,7 @@ class GRPOModule(pl.LightningModule):
         self._metrics = TrainingMetrics()
         self._eval_windows: dict[str, MetricsWindow] = {}  # metric prefix -> window
         self._parts = PartsBackward()
-        self._grad_norm = math.nan
+        self._grad_norm, self._step_seconds = math.nan, math.nan  # the closing step's, for its metrics
         self._step_gradients = StepGradients()  # dropped when their step ends, not in the next one
         self._exported_at_step: int | None = None  # on_train_end's export, for on_fit_end
 
@@ -308,29 +308,33 @@ class GRPOModule(pl.LightningModule):
 
     # --------------------------------------------------- the end of an optimizer step
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step's gradients are complete: measure their global norm (before clipping) and
-        publish the step's metrics, so callbacks see them in this step's ``on_train_batch_end``."""
+        """The step's gradients are complete: measure their global norm (before clipping; the
+        clipping uses it) and end the step's time (TRL's ``step_time`` stops before the optimizer)."""
+        self._step_seconds = self._metrics.step_seconds()
         if self.trainer.strategy.handles_gradient_accumulation:
             return  # DeepSpeed: called on every micro-step, and the engine measures the norm (optimizer_step)
         unscale_fused_amp_gradients(self.trainer.precision_plugin, optimizer)
         fsdp1 = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # flat shards as plain tensors
         self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=fsdp1)
-        self._publish_step_metrics(optimizer)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step, then publish the step's metrics for callbacks: read once the update is queued, so on a
+        GPU the host's reads and bookkeeping overlap the update instead of delaying it."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if deepspeed_step_applied(self.trainer):  # the micro-step that ended DeepSpeed's window
             self._grad_norm = deepspeed_grad_norm(self.trainer)
-            self._publish_step_metrics(optimizer)
-        elif not self.trainer.strategy.handles_gradient_accumulation:  # DeepSpeed's engine zeroes its own
+        elif self.trainer.strategy.handles_gradient_accumulation:
+            return  # a DeepSpeed micro-step inside its window
+        else:  # DeepSpeed's engine zeroes its own gradients
             self._step_gradients.step_applied()
+        self._publish_step_metrics(optimizer)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._step_gradients.release(self.trainer.optimizers)  # after every callback's (step_gradients.py)
 
     def _publish_step_metrics(self, optimizer: torch.optim.Optimizer) -> None:
         loss = self._world_mean(torch.as_tensor(self._metrics.loss, dtype=torch.float32, device=self.device))
-        once = {"loss": float(loss), "step_time": self._metrics.step_seconds(), "grad_norm": self._grad_norm,
+        once = {"loss": float(loss), "step_time": self._step_seconds, "grad_norm": self._grad_norm,
                 "learning_rate": optimizer.param_groups[0]["lr"]}
         once.update(entropy_coef_metrics(self.entropy_coef, self.entropy_coef_metric))
         self.step_metrics = self._metrics.close_step(once)
