@@ -90,6 +90,14 @@ def unscale_fused_amp_gradients(precision_plugin: Any, optimizer: torch.optim.Op
         scaler.unscale_(optimizer)
 
 
+def step_grad_norm(trainer: Any, parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
+    """The global norm of a finished step's gradients under ``trainer``'s strategy and precision
+    (not DeepSpeed, whose engine keeps its own): fp16 AMP's fused-optimizer gradients unscaled first."""
+    unscale_fused_amp_gradients(trainer.precision_plugin, optimizer)
+    fsdp1 = type(trainer.strategy).__name__ == "FSDPStrategy"  # flat shards as plain tensors
+    return total_grad_norm(parameters, sharded_plain_grads=fsdp1)
+
+
 def clip_gradients_(
     parameters: Iterable[torch.nn.Parameter], clip_val: float | None, algorithm: str | None, total_norm: float
 ) -> None:

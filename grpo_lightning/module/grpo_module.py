@@ -19,7 +19,7 @@ from grpo_lightning.module.deepspeed_steps import check_strategy_setup, deepspee
 from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_entropy_quantile, entropy_coef_metrics, world_sum
 from grpo_lightning.module.fit_end_release import TrainingStateRelease
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
-from grpo_lightning.module.gradients import clip_gradients_, total_grad_norm, unscale_fused_amp_gradients
+from grpo_lightning.module.gradients import clip_gradients_, step_grad_norm
 from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
 from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
 from grpo_lightning.module.model_checks import check_architecture_settings
@@ -313,19 +313,16 @@ class GRPOModule(pl.LightningModule):
         self._step_seconds = self._metrics.step_seconds()
         if self.trainer.strategy.handles_gradient_accumulation:
             return  # DeepSpeed: called on every micro-step, and the engine measures the norm (optimizer_step)
-        unscale_fused_amp_gradients(self.trainer.precision_plugin, optimizer)
-        fsdp1 = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # flat shards as plain tensors
-        self._grad_norm = total_grad_norm(self.policy.parameters(), sharded_plain_grads=fsdp1)
+        self._grad_norm = step_grad_norm(self.trainer, self.policy.parameters(), optimizer)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        """Step, then publish the step's metrics for callbacks: read once the update is queued, so on a
-        GPU the host's reads and bookkeeping overlap the update instead of delaying it."""
+        """Step, then publish the step's metrics: read once the update is queued, so a GPU runs it meanwhile."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if deepspeed_step_applied(self.trainer):  # the micro-step that ended DeepSpeed's window
             self._grad_norm = deepspeed_grad_norm(self.trainer)
         elif self.trainer.strategy.handles_gradient_accumulation:
             return  # a DeepSpeed micro-step inside its window
-        else:  # DeepSpeed's engine zeroes its own gradients
+        else:  # not DeepSpeed, whose engine zeroes its own gradients
             self._step_gradients.step_applied()
         self._publish_step_metrics(optimizer)
 
@@ -340,10 +337,8 @@ class GRPOModule(pl.LightningModule):
         self.step_metrics = self._metrics.close_step(once)
         publish_step_metrics(self.trainer, self.step_metrics, prog_bar=("reward", "loss"))  # for callbacks
 
-    def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
         """Clip by the global norm measured in ``on_before_optimizer_step`` (correct under
         sharding, and valid for fused optimizers under mixed precision, which Lightning refuses)."""
         clip_gradients_(self.policy.parameters(), gradient_clip_val, gradient_clip_algorithm, self._grad_norm)
