@@ -181,7 +181,7 @@ def child(spec: dict) -> dict:
     weights = plan.line("policy weights").bytes
     return {
         "name": spec["name"], "device": device, "total": plan.total, "weights": weights, "comparable": plan.total - weights,
-        "peak_phase": plan.peak_phase, "phase_estimates": {p: plan.phase_bytes(p) for p in ("persistent", "training", "logprobs", "generation")},
+        "peak_phase": plan.peak_phase, "phase_estimates": {p: plan.phase_bytes(p) for p in ("persistent", "backward to step", "training", "logprobs", "generation")},
         "measured": measured, "measured_phases": phases, "seconds": time.perf_counter() - started,
         "file_pages_growth": _file_pages() - file_base,
         "lines": {line.name: line.bytes for line in plan.lines}, "params": plan.settings.trainable_parameters,

@@ -78,6 +78,11 @@ def plan_inputs(
     max_batch_rows = getattr(sampler, "max_batch_rows", None)
     if max_batch_rows:
         generation_rows = min(generation_rows, max_batch_rows)
+    accumulate = int(trainer.accumulate_grad_batches)
+    # A generation batch is built at its first micro-step; the module drops an applied step's
+    # gradients at the end of its batch, so each generation starts a window without them iff
+    # the windows line up with the generation batches.
+    window_starts = builder is not None and (builder.settings.plan.steps_per_generation * builder.settings.num_iterations) % accumulate == 0
     needs_old = builder is not None and (builder.settings.needs_old_logprobs or builder.settings.corrects_sampling)
     options = pl_module.forward_options
     settings = MemorySettings(
@@ -96,7 +101,7 @@ def plan_inputs(
         logprob_token_budget=options.logprob_token_budget, entropy_grad=getattr(pl_module, "entropy_coef", 0) != 0,
         attention="eager" if getattr(config, "_attn_implementation", None) == "eager" else "fused",
         sampler=sampler_kind, generation_weight_casts=bool(getattr(sampler, "cache_weight_casts", False)),
-        device_bytes=device_bytes, **vllm,
+        device_bytes=device_bytes, gradients_at_generation=not window_starts, **vllm,
     )
     return shape, settings
 

@@ -92,6 +92,10 @@ class MemorySettings:
             weights for a whole request (its ``cache_weight_casts``; only under ``*-mixed``).
         vllm_gpu_memory_utilization / vllm_kv_cache_bytes / vllm_sleep_mode: the colocated engine.
         device_bytes: the device's memory (for the vLLM share and the report).
+        gradients_at_generation: some generation runs inside an accumulation window, with the
+            window's gradients alive (``accumulate`` does not divide ``steps_per_generation ×
+            num_iterations``); ``False`` when every generation starts a window. Default: the
+            upper bound.
     """
 
     trainable_parameters: int
@@ -122,6 +126,7 @@ class MemorySettings:
     vllm_kv_cache_bytes: int | None = None
     vllm_sleep_mode: bool = False
     device_bytes: int | None = None
+    gradients_at_generation: bool = True
 
     @property
     def mixed(self) -> bool:

@@ -10,14 +10,17 @@ Notation: ``P`` parameters, ``L`` decoder layers, ``h`` hidden size, ``i`` MLP w
 vocabulary, ``q = n_heads·head_dim``, ``kv = n_kv_heads·head_dim``, ``B`` rows of a micro-batch,
 ``Tp``/``Tc`` prompt/completion tokens per row, ``T = Tp + Tc``, ``W`` world size.
 
-A run's memory has a persistent part (weights, reference, gradients, optimizer states) and, at
-any moment, the transients of one phase: generation, the no-grad log-prob passes, the training
-forward+backward, the optimizer step. The peak is the persistent part plus the largest phase.
-Gradients count as persistent: they are alive from a backward to the end of its optimizer step,
-through every micro-batch of an accumulation window, and they are allocated during the backward
-while the saved activations are still mostly alive. The module drops them when the step ends
-(``module/step_gradients.py``), so a generation at a window's start (the default) runs without
-them: for it the plan is an upper bound by their size. Each phase is a worst case: every completion runs to
+A run's memory has a persistent part (weights, reference, optimizer states, often gradients) and,
+at any moment, the transients of one phase: generation, the no-grad log-prob passes, the training
+forward+backward, the optimizer step. The peak is the largest phase plus what is resident under it.
+Gradients are alive from a backward to the end of its optimizer step, through every micro-batch
+of an accumulation window, and they are allocated during the backward while the saved activations
+are still mostly alive. The module drops them when the step ends (``module/step_gradients.py``),
+so when every generation batch starts an accumulation window (``accumulate`` divides
+``steps_per_generation × num_iterations``, the default) the generation and its log-prob passes run
+without them: the gradients are then a ``backward to step`` line, counted in the training and
+optimizer-step phases only. Otherwise (or under DeepSpeed, whose engine keeps its gradient
+buffers) they are persistent. Each phase is a worst case: every completion runs to
 ``max_completion_length`` and every prompt is as long as ``prompt_length``.
 
 Layer L0: pure python.
@@ -50,13 +53,14 @@ class MemoryLine:
 
     name: str
     bytes: int
-    phase: Literal["persistent", "generation", "logprobs", "training", "optimizer step"]
+    phase: Literal["persistent", "backward to step", "generation", "logprobs", "training", "optimizer step"]
     formula: str
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The estimate: a line per component; ``total`` = persistent + the largest phase."""
+    """The estimate: a line per component; ``total`` = the largest of the phases' resident bytes
+    (:meth:`resident`) plus their transients."""
 
     lines: tuple[MemoryLine, ...]
     settings: MemorySettings
@@ -70,14 +74,24 @@ class MemoryPlan:
     def persistent(self) -> int:
         return self.phase_bytes("persistent")
 
+    def resident(self, phase: str) -> int:
+        """Bytes alive under ``phase``'s transients: the persistent lines, and the ``backward to
+        step`` lines (gradients dropped before the next generation) in training and the step."""
+        during_step = phase in ("training", "optimizer step")
+        return self.persistent + (self.phase_bytes("backward to step") if during_step else 0)
+
+    def phase_total(self, phase: str) -> int:
+        """The device's bytes at ``phase``'s peak: what is resident plus its transients."""
+        return self.resident(phase) + self.phase_bytes(phase)
+
     @property
     def peak_phase(self) -> str:
         phases = ("training", "generation", "logprobs", "optimizer step")
-        return max(phases, key=self.phase_bytes)
+        return max(phases, key=self.phase_total)
 
     @property
     def total(self) -> int:
-        return self.persistent + self.phase_bytes(self.peak_phase)
+        return self.phase_total(self.peak_phase)
 
     def line(self, name: str) -> MemoryLine:
         return next(line for line in self.lines if line.name == name)
@@ -162,7 +176,9 @@ def estimate_memory(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         add("reference model", P_all * module_bytes // div(shard_w), "persistent",
             f"{P_all:,} params x {module_bytes} B (frozen copy, beta != 0)" + (f" / {W}" if shard_w else ""))
     T_ = s.trainable_parameters
-    add("gradients", T_ * module_bytes // div(shard_g), "persistent",
+    # DeepSpeed's engine owns its gradient buffers (ZeRO's flat partitions) and keeps them.
+    gradient_phase = "persistent" if (s.gradients_at_generation or deepspeed) else "backward to step"
+    add("gradients", T_ * module_bytes // div(shard_g), gradient_phase,
         f"{T_:,} trainable x {module_bytes} B" + (f" / {W}" if shard_g else ""))
     if s.optimizer == "adamw_8bit":
         state, formula = T_ * 2, f"{T_:,} x 2 states x 1 B (8-bit)"

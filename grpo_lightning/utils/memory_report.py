@@ -110,14 +110,17 @@ def format_plan(plan: MemoryPlan, device_bytes: int | None = None, device: str =
     ]
     width = max(len(line.name) for line in plan.lines)
     peak = plan.peak_phase
-    for phase in ("persistent", "training", "logprobs", "generation", "optimizer step"):
+    for phase in ("persistent", "backward to step", "training", "logprobs", "generation", "optimizer step"):
         lines = [line for line in plan.lines if line.phase == phase]
         if not lines:
             continue
         mark = " (peak phase)" if phase == peak else ""
         rows.append(f"  [{phase}]{mark}  {_fmt(sum(line.bytes for line in lines))}")
         rows += [f"    {line.name:<{width}}  {_fmt(line.bytes):>12}   {line.formula}" for line in lines]
-    total = f"  total: {_fmt(plan.total)} = persistent {_fmt(plan.persistent)} + {peak} {_fmt(plan.phase_bytes(peak))}"
+    resident = f"persistent {_fmt(plan.persistent)}"
+    if plan.resident(peak) != plan.persistent:
+        resident += f" + backward to step {_fmt(plan.resident(peak) - plan.persistent)}"
+    total = f"  total: {_fmt(plan.total)} = {resident} + {peak} {_fmt(plan.phase_bytes(peak))}"
     if device_bytes:
         total += f"; {device}: {_fmt(device_bytes)} ({100 * plan.total / device_bytes:.0f} %)"
     rows.append(total)

@@ -24,7 +24,8 @@ from tests.helpers import ALPHABET, length_reward
 COMPLETION = 64
 
 
-def _run(tmp_path, caplog, *, beta: float, ckpt: bool, completion: int = COMPLETION, hidden: int = 128) -> tuple[MemoryPlanner, int]:
+def _run(tmp_path, caplog, *, beta: float, ckpt: bool, completion: int = COMPLETION, hidden: int = 128,
+         accumulate: int = 1, steps_per_generation: int | None = None) -> tuple[MemoryPlanner, int]:
     tokenizer = build_char_tokenizer(ALPHABET)
     tokenizer.save_pretrained(tmp_path / "tok")
     model = build_tiny_causal_lm(len(tokenizer), hidden_size=hidden, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -35,11 +36,12 @@ def _run(tmp_path, caplog, *, beta: float, ckpt: bool, completion: int = COMPLET
                         save_final_model=False)
     datamodule = RolloutDataModule(
         str(prompts), reward_funcs=[length_reward], num_generations=4, per_device_train_batch_size=16,
-        generation=GenerationParams(max_completion_length=completion, generation_kwargs={"min_new_tokens": completion}),
+        steps_per_generation=steps_per_generation, generation=GenerationParams(max_completion_length=completion, generation_kwargs={"min_new_tokens": completion}),
     )
     planner = MemoryPlanner()
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[planner], default_root_dir=str(tmp_path))
+                         enable_model_summary=False, callbacks=[planner], default_root_dir=str(tmp_path),
+                         accumulate_grad_batches=accumulate)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     if not reset_peak_rss():
@@ -63,6 +65,8 @@ def test_logs_the_plan_once_and_reads_the_run(tmp_path, caplog):
     assert s.logprob_rows == 16 and s.generation_rows == 16
     assert s.generation_weight_casts, "the default sampler (hf_generate) keeps its weight casts per request"
     assert all(x.name != "autocast 16-bit weight copies (generation)" for x in plan.lines), "none under 32-true"
+    # One micro-step per generation and per window: every generation runs after its gradients were dropped.
+    assert not s.gradients_at_generation and plan.line("gradients").phase == "backward to step"
     # benchmarks/memory_plan_check.py measured errors of -25 % to +36 % on CPU (docs/memory.md), on top of a
     # ~50 MiB floor of framework working memory the plan does not count (here: estimate ~83 MiB, peak
     # ~127 MiB); this in-process run also shares the heap with earlier tests (reused freed memory lowers
@@ -73,7 +77,11 @@ def test_logs_the_plan_once_and_reads_the_run(tmp_path, caplog):
 
 
 def test_no_reference_line_without_beta(tmp_path, caplog):
-    planner, _ = _run(tmp_path, caplog, beta=0.0, ckpt=True, completion=8, hidden=32)
+    # Two micro-steps per window, one per generation: the second generation runs with the first
+    # micro-step's gradients alive, so the plan keeps them persistent.
+    planner, _ = _run(tmp_path, caplog, beta=0.0, ckpt=True, completion=8, hidden=32, accumulate=2, steps_per_generation=1)
+    assert planner.estimate.settings.gradients_at_generation
+    assert planner.estimate.line("gradients").phase == "persistent"
     names = [line.name for line in planner.estimate.lines]
     assert "reference model" not in names and "activations (log-prob pass)" not in names
     assert planner.estimate.settings.gradient_checkpointing

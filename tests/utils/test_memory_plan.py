@@ -161,3 +161,28 @@ def test_table_lists_every_line_and_the_total():
     for line in plan.lines:
         assert line.name in table
     assert "total:" in table and "(peak phase)" in table
+
+
+def test_gradients_dropped_before_generation_count_only_in_training_and_the_step():
+    # Generation the peak phase: 400 rows of KV cache (400 x 12 x 2 x 2 x 4 x 4 B = 307,200 B).
+    upper = estimate_memory(SHAPE, settings(generation_rows=400))
+    dropped = estimate_memory(SHAPE, settings(generation_rows=400, gradients_at_generation=False))
+    grads = P * 4
+    assert upper.line("gradients").phase == "persistent" and dropped.line("gradients").phase == "backward to step"
+    assert upper.peak_phase == dropped.peak_phase == "generation"
+    assert dropped.persistent == upper.persistent - grads
+    assert dropped.total == upper.total - grads == dropped.persistent + dropped.phase_bytes("generation")
+    for phase in ("training", "optimizer step"):  # the backward allocates them; the step applies them
+        assert dropped.phase_total(phase) == upper.phase_total(phase)
+    assert dropped.phase_total("generation") == upper.phase_total("generation") - grads
+    table = format_plan(dropped)
+    assert "[backward to step]" in table and "gradients" in table
+    # Training the peak: nothing changes, and the total names the gradients it adds.
+    train_peak = estimate_memory(SHAPE, settings(gradients_at_generation=False))
+    assert train_peak.peak_phase == "training" and train_peak.total == estimate_memory(SHAPE, settings()).total
+    assert "+ backward to step" in format_plan(train_peak).splitlines()[-1]
+
+
+def test_deepspeed_keeps_its_gradient_buffers_through_generation():
+    plan = estimate_memory(SHAPE, settings(strategy="deepspeed_stage_2", world_size=2, gradients_at_generation=False))
+    assert plan.line("gradients").phase == "persistent"
