@@ -83,6 +83,7 @@ def plan_inputs(
     # gradients at the end of its batch, so each generation starts a window without them iff
     # the windows line up with the generation batches.
     window_starts = builder is not None and (builder.settings.plan.steps_per_generation * builder.settings.num_iterations) % accumulate == 0
+    window_starts = window_starts and not _evaluates_inside_windows(trainer, dm, accumulate)
     needs_old = builder is not None and (builder.settings.needs_old_logprobs or builder.settings.corrects_sampling)
     options = pl_module.forward_options
     settings = MemorySettings(
@@ -104,6 +105,15 @@ def plan_inputs(
         device_bytes=device_bytes, gradients_at_generation=not window_starts, **vllm,
     )
     return shape, settings
+
+
+def _evaluates_inside_windows(trainer: pl.Trainer, dm: Any, accumulate: int) -> bool:
+    """Validation generates too: it runs between batches, inside a window unless the check
+    interval is a whole number of windows (a fraction of an epoch cannot be told here)."""
+    if accumulate == 1 or not getattr(dm, "eval_datasets", None):
+        return False
+    interval = trainer.val_check_interval
+    return interval % accumulate != 0 if isinstance(interval, int) else float(interval) < 1.0
 
 
 def _sampler_kind(sampler: Any) -> tuple[str, dict[str, Any]]:

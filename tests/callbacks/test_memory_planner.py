@@ -86,3 +86,17 @@ def test_no_reference_line_without_beta(tmp_path, caplog):
     assert "reference model" not in names and "activations (log-prob pass)" not in names
     assert planner.estimate.settings.gradient_checkpointing
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_validation_inside_a_window_keeps_the_gradients_at_generation():
+    from types import SimpleNamespace
+
+    from grpo_lightning.callbacks.memory_plan import _evaluates_inside_windows
+
+    with_eval, no_eval = SimpleNamespace(eval_datasets={"": [1]}), SimpleNamespace(eval_datasets={})
+    at = lambda interval: SimpleNamespace(val_check_interval=interval)  # noqa: E731
+    assert not _evaluates_inside_windows(at(3), no_eval, 4)  # nothing to validate
+    assert not _evaluates_inside_windows(at(3), with_eval, 1)  # every batch ends a window
+    assert not _evaluates_inside_windows(at(8), with_eval, 4) and _evaluates_inside_windows(at(6), with_eval, 4)
+    assert not _evaluates_inside_windows(at(1.0), with_eval, 4)  # epochs are whole windows when generations are
+    assert _evaluates_inside_windows(at(0.5), with_eval, 4)  # where half an epoch falls is not known here
