@@ -364,16 +364,19 @@ def _set_launcher_env(rank: int, world_size: int) -> None:
 
 
 def _free_port() -> int:
+    """The first of the conventional ``MASTER_PORTS`` that binds, else a free non-ephemeral port."""
     import socket
 
-    for port in (*MASTER_PORTS, 0):
+    from grpo_lightning.utils.ports import free_port
+
+    for port in MASTER_PORTS:
         with socket.socket() as sock:
             try:
                 sock.bind(("localhost", port))
             except OSError:
                 continue
-            return sock.getsockname()[1]
-    raise RuntimeError("No free port for MASTER_PORT.")
+            return port
+    return free_port()
 
 
 def _tp_group(rank: int, world_size: int, tp: int) -> Any:
