@@ -78,12 +78,11 @@ def plan_inputs(
     max_batch_rows = getattr(sampler, "max_batch_rows", None)
     if max_batch_rows:
         generation_rows = min(generation_rows, max_batch_rows)
-    accumulate = int(trainer.accumulate_grad_batches)
-    # A generation batch is built at its first micro-step; the module drops an applied step's
-    # gradients at the end of its batch, so each generation starts a window without them iff
-    # the windows line up with the generation batches.
-    window_starts = builder is not None and (builder.settings.plan.steps_per_generation * builder.settings.num_iterations) % accumulate == 0
-    window_starts = window_starts and not _evaluates_inside_windows(trainer, dm, accumulate)
+    # A generation batch is built at its first micro-step and the module drops an applied step's
+    # gradients at the end of its batch: training generations run without them when they start
+    # windows, and validation's when its checks fall between windows.
+    without_gradients = (builder is not None and builder.settings.generation_starts_window
+                         and not _evaluates_inside_windows(trainer, dm, int(trainer.accumulate_grad_batches)))
     needs_old = builder is not None and (builder.settings.needs_old_logprobs or builder.settings.corrects_sampling)
     options = pl_module.forward_options
     settings = MemorySettings(
@@ -102,7 +101,7 @@ def plan_inputs(
         logprob_token_budget=options.logprob_token_budget, entropy_grad=getattr(pl_module, "entropy_coef", 0) != 0,
         attention="eager" if getattr(config, "_attn_implementation", None) == "eager" else "fused",
         sampler=sampler_kind, generation_weight_casts=bool(getattr(sampler, "cache_weight_casts", False)),
-        device_bytes=device_bytes, gradients_at_generation=not window_starts, **vllm,
+        device_bytes=device_bytes, gradients_at_generation=not without_gradients, **vllm,
     )
     return shape, settings
 

@@ -96,6 +96,12 @@ class RolloutSettings:
         return self.gradient_accumulation_steps % (self.plan.steps_per_generation * self.num_iterations) != 0
 
     @property
+    def generation_starts_window(self) -> bool:
+        """Every generation batch begins an accumulation window (``GA`` divides ``S ×
+        num_iterations``): the previous window's gradients are already dropped when it runs."""
+        return (self.plan.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps == 0
+
+    @property
     def corrects_sampling(self) -> bool:
         """The importance-sampling correction applies: it is on and the sampler reports log-probs."""
         return self.importance_sampling.enabled and self.sampler_logprobs

@@ -94,8 +94,8 @@ class MemorySettings:
         device_bytes: the device's memory (for the vLLM share and the report).
         gradients_at_generation: some generation runs inside an accumulation window, with the
             window's gradients alive (``accumulate`` does not divide ``steps_per_generation ×
-            num_iterations``); ``False`` when every generation starts a window. Default: the
-            upper bound.
+            num_iterations``, or a validation check falls inside a window); ``False`` when every
+            generation starts a window. Default: the upper bound.
     """
 
     trainable_parameters: int
