@@ -8,7 +8,8 @@ The rule (``grpo`` only; Python callers always get the exception):
   raised by grpo_lightning's own validation (the ``raise`` is in this package) before the first
   optimizer step is a user error too: bad config, data or reward functions show up then;
 * anything else (an error in torch, transformers or a user's function, or any error once training
-  has taken a step) may be a bug and keeps its full traceback.
+  has taken a step) may be a bug and keeps its full traceback, unless it was raised ``from`` a
+  user error (jsonargparse wraps the checks of settings inside a union type): that one is printed.
 
 ``GRPO_DEBUG=1`` always shows the full traceback (and jsonargparse's own for parser errors).
 
@@ -55,6 +56,21 @@ def is_user_error(error: BaseException, *, training_started: bool) -> bool:
     if isinstance(error, ConfigError):
         return True
     return isinstance(error, _CHECKED_TYPES) and not training_started and raised_in_package(error)
+
+
+def find_user_error(error: BaseException, *, training_started: bool) -> BaseException | None:
+    """``error`` if it is a user error, else the first user error it was raised ``from``: a setting
+    nested in a union (``model.peft_config``, ``model.loss.init_args``, ...) reaches ``grpo`` as
+    jsonargparse's "Does not validate against any of the Union subtypes", raised from our check's
+    error. ``None`` when there is none (``__context__``, an error while handling another, is not followed)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if is_user_error(current, training_started=training_started):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
 
 
 def user_message(error: BaseException) -> str:

@@ -42,11 +42,11 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if self.max_completion_length < 1:
             raise ValueError(
-                f"max_completion_length={self.max_completion_length}: it must be at least 1 token."
+                f"data.generation.max_completion_length={self.max_completion_length}: it must be at least 1 token."
             )
         if self.temperature <= 0:
             raise ValueError(
-                f"temperature={self.temperature}: it must be > 0 (the training log-probs divide the "
+                f"data.generation.temperature={self.temperature}: it must be > 0 (the training log-probs divide the "
                 "logits by it). For near-greedy sampling use a small value such as 0.01."
             )
 

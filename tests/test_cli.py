@@ -111,6 +111,20 @@ def test_print_config_writes_loss_and_sampler_names_in_full(config_file, capsys)
     }
 
 
+@pytest.mark.parametrize("given", [[], ["--model.loss", "grpo"], ["--model.loss=grpo"]])
+def test_knobs_of_a_loss_given_by_name_can_be_overridden(config_file, capsys, given):
+    """The config file says ``loss: grpo``, or the command line names it: later arguments set its
+    knobs (jsonargparse cannot set ``init_args`` on a plain string)."""
+    path, _ = config_file
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), *given, "--model.loss.init_args.beta", "0.04", "--model.loss.epsilon",
+              "0.3", "--print_config"])
+    assert exit_info.value.code == 0
+    loss = yaml.safe_load(capsys.readouterr().out)["model"]["loss"]
+    assert loss["class_path"] == "grpo_lightning.losses.GRPOLoss"
+    assert (loss["init_args"]["beta"], loss["init_args"]["epsilon"]) == (0.04, 0.3)
+
+
 def test_default_loss_knobs_can_be_overridden_and_printed(config_file, capsys):
     path, _ = config_file
     config = yaml.safe_load(path.read_text())

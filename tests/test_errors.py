@@ -40,12 +40,25 @@ def run_grpo(args, capsys):
     (["--model.loss", "ppo"], "Unknown loss 'ppo'"),                           # the loss registry
     (["--data.num_generations", "1"], "data.num_generations=1"),               # a data check
     (["--data.dataset", "missing.jsonl"], "missing.jsonl"),                    # a file that is not there
+    # checks of settings nested in a union type, which jsonargparse wraps in its union error
+    (["--model.peft_config.lora_dropout", "1.5"], "model.peft_config.lora_dropout=1.5: use a probability"),
+    (["--model.peft_config.r", "0"], "model.peft_config.r=0"),
+    (["--data.dynamic_sampling.max_extra_rounds", "-1"], "data.dynamic_sampling.max_extra_rounds=-1"),
+    (["--model.loss.epsilon", "-0.2"], "epsilon=-0.2: it must be >= 0.0"),
+    (["--data.generation.temperature", "-1"], "data.generation.temperature=-1"),
 ])
 def test_user_errors_print_one_message_without_traceback(config, capsys, override, message):
     code, err = run_grpo(["fit", "--config", str(config), *override], capsys)
     assert code == 1
     assert message in err and "GRPO_DEBUG=1" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_a_gpu_config_on_a_machine_without_one_names_the_setting(config, capsys):
+    code, err = run_grpo(["fit", "--config", str(config), "--trainer.accelerator", "gpu"], capsys)
+    assert code == 1 and "trainer.accelerator=gpu: this machine has no CUDA device" in err
+    assert "Traceback" not in err
 
 
 def test_parse_errors_are_short(config, capsys):

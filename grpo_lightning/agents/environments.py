@@ -115,9 +115,10 @@ class EnvironmentSet:
         return [tool.schema for tool in self._tools[name]]
 
     def reset(self, instance: Any, row: Mapping[str, Any]) -> Any:
-        """``instance.reset(**row)`` without the prompt and the routing column; the observation
-        (``None``, text, or a list of content blocks)."""
-        kwargs = {k: v for k, v in row.items() if k not in ("prompt", ROUTING_COLUMN)}
+        """``instance.reset(**row)``, the routing column left out when environments are routed
+        (TRL's call: the ``prompt`` is among the arguments); the observation (``None``, text, or a
+        list of content blocks)."""
+        kwargs = {k: v for k, v in row.items() if not (self.routed and k == ROUTING_COLUMN)}
         observation = instance.reset(**kwargs)
         if inspect.isawaitable(observation):
             observation = async_loop.run(_awaited(observation))

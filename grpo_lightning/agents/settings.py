@@ -31,8 +31,9 @@ class AgentSettings:
         max_tool_calling_iterations: Most rounds of tool calls per rollout; ``None``: until the
             model answers without a call, or the completion (all turns and tool results) reaches
             ``max_completion_length``, or the sequence the model's context.
-        tool_timeout_s: Seconds one tool call may run before it fails with a timeout (``None``:
-            no limit).
+        tool_timeout_s: Seconds one tool call may run before it fails with a timeout; a sync
+            tool then runs on a worker thread. ``None``: no limit, and sync tools run on the
+            training thread (for state bound to a thread, e.g. a ``sqlite3`` connection).
         parser: The tool-call format: a family (``qwen2.5``, ``qwen3``, ``hermes``, ``deepseek-v3``), the dotted
             path of a ``grpo_lightning.tools.ToolCallParser`` subclass, or ``None`` to detect it
             from the chat template.

@@ -45,6 +45,29 @@ log = logging.getLogger(__name__)
 Generate = Callable[[Sequence[PromptInput], int, GenerationParams], list[Rollout]]
 
 
+def generation_calls(lengths: Sequence[int], room: Sequence[int], limit: int | None) -> list[tuple[list[int], int]]:
+    """The generation calls of one round of turns: ``(rows, max_completion_length)`` each.
+
+    A call asks every row for its longest row's room (the loop then cuts each row to its own), so
+    it must fit every row's context: ``lengths[i] + max_completion_length <= limit``. Without a
+    limit that is one call; otherwise the rows that fit the longest room go first, then the rest
+    the same way (each row fits its own room, so every call has a row).
+
+    >>> generation_calls([10, 250, 20], [100, 50, 80], 300)
+    [([0, 2], 100), ([1], 50)]
+    >>> generation_calls([10, 250], [100, 50], None)
+    [([0, 1], 100)]
+    """
+    pending = list(range(len(room)))
+    calls: list[tuple[list[int], int]] = []
+    while pending:
+        longest = max(room[i] for i in pending)
+        rows = [i for i in pending if limit is None or lengths[i] + longest <= limit]
+        calls.append((rows, longest))
+        pending = [i for i in pending if i not in rows]
+    return calls
+
+
 class AgentSampler(Sampler):
     """Wraps a generation back-end with tools and environments; everything else (weights,
     versions, log-probs) is the inner sampler's.
@@ -211,20 +234,26 @@ class AgentSampler(Sampler):
             results = execute_calls([e.last_turn.tool_calls for e in active], [e.toolbox for e in active],  # type: ignore[union-attr]
                                     self.tool_timeout_s)
             continuing = []
+            context = self._context_limit()
             for episode, row_results in zip(active, results):
                 episode.count(row_results)
                 ids, images = self._tool_turn(template, row_results)
-                if self._fits(episode, len(ids), budget):
+                if self._fits(episode, len(ids), budget, context):
                     episode.add_tool_turn(ids, row_results, images)
                     continuing.append(episode)
                     if images is None:
                         self._note_images(episode)
             if not continuing:
                 break
+            lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in continuing]
             room = [budget - len(e.completion_ids) for e in continuing]
-            turns = generate(self._contexts(continuing), 1, replace(params, max_completion_length=max(room)))
-            for episode, rollout, left in zip(continuing, turns, room):
-                self._add_turn(episode, rollout, left)
+            if context:  # and what is left of the context
+                room = [min(r, context - length) for r, length in zip(room, lengths)]
+            for rows, longest in generation_calls(lengths, room, context):
+                calls = [continuing[i] for i in rows]
+                turns = generate(self._contexts(calls), 1, replace(params, max_completion_length=longest))
+                for i, rollout in zip(rows, turns):
+                    self._add_turn(continuing[i], rollout, room[i])
             active = [e for e in continuing if e.wants_tools]
             rounds += 1
         like = next((e.image_inputs for e in episodes if e.image_inputs is not None), None)
@@ -282,11 +311,23 @@ class AgentSampler(Sampler):
                 "model.tokenizer to its processor: tool images are then rendered and fed to the next turn."
             )
 
-    def _fits(self, episode: Episode, tool_tokens: int, budget: int) -> bool:
+    @property
+    def max_sequence_length(self) -> int | None:
+        return self.inner.max_sequence_length
+
+    def _context_limit(self) -> int | None:
+        """The longest prompt + completion a turn may reach: the model's context and the
+        back-end's own limit (a vLLM engine's or server's ``max_model_len``), the smaller."""
+        limits = [getattr(self._handle, "max_context_length", None) if self._handle is not None else None,
+                  self.inner.max_sequence_length]
+        known = [int(x) for x in limits if x]
+        return min(known) if known else None
+
+    @staticmethod
+    def _fits(episode: Episode, tool_tokens: int, budget: int, context: int | None) -> bool:
         """Room for the tool turn and at least one generated token, in the completion budget and
-        in the model's context."""
+        in the ``context`` (:meth:`_context_limit`)."""
         used = len(episode.completion_ids) + tool_tokens
-        context = getattr(self._handle, "max_context_length", None) if self._handle is not None else None
         if context and len(episode.prompt_ids) + used + 1 > context:
             return False
         return used < budget

@@ -86,7 +86,7 @@ def importance_sampling_weights(
         old_logps: ``(B, T)`` trainer log-probs of the sampled tokens at generation time.
         sampling_logps: ``(B, T)`` the sampler's log-probs of the same tokens.
         mask: ``(B, T)`` loss mask (1 = a token the loss sees); masked tokens contribute
-            ``d = 0`` (ratio 1).
+            ``d = 0`` (ratio 1), and so do tokens whose sampler log-prob is NaN.
 
     Computed in float64 so a long sequence's sum of small differences does not lose digits.
 
@@ -100,7 +100,8 @@ def importance_sampling_weights(
     tensor([[0.],
             [1.]])
     """
-    difference = (old_logps.double() - sampling_logps.double()) * mask  # (B, T)
+    # A token the sampler could not score (NaN log-prob) gets d = 0: ratio 1, no correction, as TRL.
+    difference = torch.nan_to_num((old_logps.double() - sampling_logps.double()) * mask, nan=0.0)  # (B, T)
     log_ratio = difference.sum(dim=1, keepdim=True) if correction.per_sequence else difference  # (B, 1) | (B, T)
     ratio = torch.exp(log_ratio)
     low = -float("inf") if correction.clip_min is None else correction.clip_min
@@ -134,21 +135,25 @@ class SamplingStats:
 
 def sampling_stats(
     old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    per_sequence: bool, rows: torch.Tensor | None = None,
 ) -> SamplingStats:
     """This rank's statistics of the log-prob gap and of ``ρ``.
 
+    ``weights``: ``(B, 1)`` when ``per_sequence`` (sequence modes), else ``(B, T)`` (token modes;
+    told, not inferred from the shape: a batch of one-token completions is ``(B, 1)`` too).
     ``rows``: ``(B,)`` bool, the rows that count (``None``: all). The gap and token-mode ratios
-    are taken over loss tokens; sequence-mode ratios over the counted sequences.
+    are taken over loss tokens, the gap without tokens the sampler could not score (NaN: counting
+    them as 0 would understate it); sequence-mode ratios over the counted sequences.
     """
     tokens = mask.bool()
     if rows is not None:
         tokens = tokens & rows[:, None]
-    gap = (old_logps.double() - sampling_logps.double()).abs()[tokens]
-    if weights.shape[1] > 1:  # token modes: (B, T)
-        ratios = weights.double()[tokens]
-    else:  # sequence modes: (B, 1)
+    gap = (old_logps.double() - sampling_logps.double()).abs()  # (B, T)
+    gap = gap[tokens & ~torch.isnan(gap)]
+    if per_sequence:  # (B, 1)
         ratios = weights.double()[:, 0] if rows is None else weights.double()[rows, 0]
+    else:  # (B, T)
+        ratios = weights.double()[tokens]
     inf = float("inf")
     return SamplingStats(
         difference_sum=float(gap.sum()),

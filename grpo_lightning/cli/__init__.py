@@ -26,11 +26,12 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from grpo_lightning.cli.checkpoints import (
     forget_previous_run, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
 )
+from grpo_lightning.cli.devices import check_accelerator
 from grpo_lightning.cli.parser import COMPONENTS, GRPOArgumentParser, expand_component_names
 from grpo_lightning.cli.run_dir import check_run_dir
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.data.run_summary import check_training_length
-from grpo_lightning.errors import DEBUG_ENV, debug_enabled, is_user_error, user_message
+from grpo_lightning.errors import DEBUG_ENV, debug_enabled, find_user_error, user_message
 from grpo_lightning.module import GRPOModule
 
 
@@ -206,6 +207,8 @@ class GRPOLightningCLI(LightningCLI):
                 config[key] = expanded[key]
         trainer = config.trainer
         check_training_length(trainer.max_steps, trainer.max_epochs)
+        if self.subcommand:  # a run (fit, validate, ...), not a parse of the config (run=False)
+            check_accelerator(trainer.accelerator)
         if self.subcommand == "fit":
             root = trainer.default_root_dir or os.getcwd()
             if launched_as_rank_zero():  # other ranks (other nodes) may start after rank 0 wrote the folder
@@ -291,9 +294,10 @@ def main(args: list[str] | None = None) -> None:
     except Exception as error:
         trainer = _current_trainer.get()
         started = trainer is not None and trainer.global_step > 0
-        if debug_enabled() or not is_user_error(error, training_started=started):
+        reported = None if debug_enabled() else find_user_error(error, training_started=started)
+        if reported is None:
             raise
-        sys.stderr.write(user_message(error) + "\n")
+        sys.stderr.write(user_message(reported) + "\n")
         sys.exit(1)
     finally:
         _current_trainer.reset(token)

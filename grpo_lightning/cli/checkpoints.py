@@ -8,7 +8,8 @@ MLflow run, so that a resumed run logs into the same MLflow run instead of openi
 By default a run keeps the last ``keep_checkpoints`` periodic checkpoints (every
 ``checkpoint_every_n_steps`` optimizer steps; ``last.ckpt`` links to the newest) plus one written
 when training fails with an exception: a crash loses at most that many steps, and a 7B run's
-disk use stays bounded. ``--ckpt_path last`` resumes from the newest complete checkpoint there.
+disk use stays bounded. ``--ckpt_path last`` resumes from the newest complete checkpoint there
+(the one of the highest step).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import zipfile
 from typing import Any
 
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 RUN_RECORD = "run.json"
 EXCEPTION_CHECKPOINT = "on_exception"
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+_LAST_LINK = re.compile(r"last(-v\d+)?\.ckpt")  # Lightning's link to the newest (versioned by older releases)
 
 
 def checkpoint_dir(root_dir: str) -> str:
@@ -45,7 +49,7 @@ def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[An
     # monitor="step" (always a candidate) with mode max keeps the newest: top-k of the step number.
     periodic = ModelCheckpoint(dirpath=folder, filename="step={step:07d}", auto_insert_metric_name=False,
                                every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
-                               save_last="link")
+                               save_last="link", enable_version_counter=False)  # a resume re-links last.ckpt
     return [periodic, CheckpointOnException(os.path.join(folder, EXCEPTION_CHECKPOINT + ".ckpt"))]
 
 
@@ -95,13 +99,30 @@ def is_complete(path: str) -> bool:
         return False
 
 
+def checkpoint_step(path: str) -> int:
+    """The optimizer step a checkpoint was written at: from a ``step=N`` name, else its
+    ``global_step`` (read memory-mapped, no tensor is loaded); -1 when neither can be read."""
+    found = _STEP_IN_NAME.search(os.path.basename(path))
+    if found:
+        return int(found.group(1))
+    if not os.path.isfile(path):
+        return -1
+    try:
+        import torch
+
+        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+    except Exception:  # not a checkpoint Lightning wrote: ordered by write time alone
+        return -1
+
+
 def _candidates(folder: str) -> list[str]:
-    """Checkpoints in ``folder``, newest first (by write time; ``last.ckpt`` is a link to one of them)."""
+    """Checkpoints in ``folder``, newest first: by the step they were written at, then by write
+    time (a copied run folder's times say nothing; ``last.ckpt`` links to one of them)."""
     if not os.path.isdir(folder):
         return []
     paths = [os.path.join(folder, name) for name in os.listdir(folder)
-             if name != "last.ckpt" and (name.endswith(".ckpt") or os.path.isdir(os.path.join(folder, name)))]
-    return sorted(paths, key=lambda p: os.path.getmtime(p), reverse=True)
+             if not _LAST_LINK.fullmatch(name) and (name.endswith(".ckpt") or os.path.isdir(os.path.join(folder, name)))]
+    return sorted(paths, key=lambda p: (checkpoint_step(p), os.path.getmtime(p)), reverse=True)
 
 
 def resolve_ckpt_path(ckpt_path: str | None, root_dir: str) -> str | None:

@@ -6,7 +6,9 @@ without help ``--print_config``, the saved ``config.yaml`` and the MLflow params
 ``dapo`` and none of its knobs (``epsilon``, ``beta``, ...). :func:`expand_component_names`
 replaces a name by the ``class_path`` + ``init_args`` that jsonargparse builds for that class, the
 same spec a config giving the class path parses to; the parser applies it to everything it dumps
-(``--print_config``, ``config.yaml``, MLflow) and the CLI to the config it instantiates.
+(``--print_config``, ``config.yaml``, MLflow) and the CLI to the config it instantiates. The
+parser also expands names as it reads the command line and config files, so that a component
+given by name takes knob overrides (``--model.loss.init_args.beta``).
 """
 
 from __future__ import annotations
@@ -68,11 +70,45 @@ def expand_component_names(config: Namespace) -> Namespace:
     return expanded
 
 
+def expand_component_arguments(argv: list[str]) -> list[str]:
+    """``argv`` with a registry name given on the command line (``--model.loss grpo``,
+    ``--data.sampler=fast_generate``) replaced by its class path, so that later arguments can set
+    its knobs (``--model.loss.init_args.beta 0.04``): the class, tried before ``str`` in the
+    setting's union, parses the path to the same spec.
+
+    >>> expand_component_arguments(["fit", "--model.loss", "grpo", "--data.sampler=nope"])
+    ['fit', '--model.loss', 'grpo_lightning.losses.GRPOLoss', '--data.sampler=nope']
+    """
+    out = list(argv)
+    for i, arg in enumerate(out):
+        for key, (_, registry) in COMPONENTS.items():
+            flag = f"--{key}"
+            if arg == flag and i + 1 < len(out) and out[i + 1] in registry:
+                out[i + 1] = _class_path(registry[out[i + 1]])
+            elif arg.startswith(flag + "=") and arg[len(flag) + 1 :] in registry:
+                out[i] = f"{flag}={_class_path(registry[arg[len(flag) + 1 :]])}"
+    return out
+
+
 class GRPOArgumentParser(LightningArgumentParser):
     """``LightningArgumentParser`` that dumps registry names in full and keeps errors short."""
 
     def dump(self, namespace: Namespace, *args: Any, **kwargs: Any) -> str:
         return super().dump(expand_component_names(namespace), *args, **kwargs)
+
+    # Names are expanded as the command line and each config file are read, so that later
+    # arguments can set the component's knobs: `--config quickstart.yaml --model.loss.init_args.beta
+    # 0.04` with `loss: dapo` in the file (jsonargparse cannot set init_args on a plain string).
+    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Namespace:
+        if args is None or isinstance(args, list):
+            args = expand_component_arguments(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *rest, **kwargs)
+
+    def parse_path(self, *args: Any, **kwargs: Any) -> Namespace:
+        return expand_component_names(super().parse_path(*args, **kwargs))
+
+    def parse_string(self, *args: Any, **kwargs: Any) -> Namespace:
+        return expand_component_names(super().parse_string(*args, **kwargs))
 
     def print_usage(self, file: IO[str] | None = None) -> None:
         # jsonargparse prints the usage before every parse error: ~100 lines of options for

@@ -23,7 +23,8 @@ from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
     check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan,
 )
-from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings, trainer_collective
+from grpo_lightning.data.collective import trainer_collective
+from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
 from grpo_lightning.data.run_summary import check_data_settings, check_sizes, check_training_length, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.data.weight_sync import WeightSync
@@ -139,7 +140,7 @@ class RolloutDataModule(pl.LightningDataModule):
         shuffle_dataset: bool = True,
         seed: int | None = None,
         generation: GenerationParams = GenerationParams(),
-        sampler: str | Sampler = lazy_instance(HFGenerateSampler),
+        sampler: Sampler | str = lazy_instance(HFGenerateSampler),
         importance_sampling: ImportanceSamplingCorrection = ImportanceSamplingCorrection(),
         dynamic_sampling: DynamicSampling | None = None,
         agent: AgentSettings | None = None,

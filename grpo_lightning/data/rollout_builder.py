@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from grpo_lightning.algo.importance import (
     ImportanceSamplingCorrection, importance_sampling_weights, sampling_metrics, sampling_stats,
 )
 from grpo_lightning.data.agent_wiring import gathered_tool_metrics, start_agent_batch
+from grpo_lightning.data.collective import Collective
 from grpo_lightning.data.collate import pad_sequences, shuffle_and_split
 from grpo_lightning.data.completion_metrics import completion_metrics
 from grpo_lightning.data.counted_rows import exclude_rows, score_counted_rows
@@ -34,42 +35,6 @@ from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.types import CompletionTable, GenerationParams, PolicyHandle, Rollout, RolloutBatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Collective:
-    """How a builder reaches the other ranks. ``all_gather(x)`` returns ``(world_size, *x.shape)``."""
-
-    rank: int = 0
-    world_size: int = 1
-    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    all_gather_objects: Callable[[list[Any]], list[list[Any]]] | None = None
-
-    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's rows in rank order: ``(L, ...) -> (P*L, ...)``."""
-        if self.world_size == 1 or self.all_gather is None:
-            return tensor
-        gathered = self.all_gather(tensor)
-        return gathered.reshape(-1, *tensor.shape[1:])
-
-    def gather_objects(self, values: list[Any]) -> list[Any]:
-        """Concatenate every rank's python values in rank order."""
-        if self.world_size == 1 or self.all_gather_objects is None:
-            return list(values)
-        return [v for per_rank in self.all_gather_objects(values) for v in per_rank]
-
-
-def trainer_collective(trainer: Callable[[], Any]) -> Collective:
-    """The :class:`Collective` of a Lightning trainer's ranks: its strategy's ``all_gather`` and
-    ``torch.distributed.all_gather_object``. ``trainer`` returns the trainer, looked up at each call."""
-
-    def all_gather_objects(values: list[Any]) -> list[list[Any]]:
-        gathered: list[Any] = [None] * trainer().world_size
-        torch.distributed.all_gather_object(gathered, values)
-        return gathered
-
-    return Collective(trainer().global_rank, trainer().world_size, lambda t: trainer().strategy.all_gather(t),
-                      all_gather_objects)
 
 
 @dataclass(frozen=True)
@@ -241,9 +206,10 @@ class RolloutBuilder:
         all ranks. ``rows``: ``(B,)`` bool, the local rows that count (``None``: all)."""
         assert batch.old_logps is not None and batch.sampling_logps is not None
         mask = batch.loss_mask
-        weights = importance_sampling_weights(batch.old_logps, batch.sampling_logps, mask, self.settings.importance_sampling)
+        correction = self.settings.importance_sampling
+        weights = importance_sampling_weights(batch.old_logps, batch.sampling_logps, mask, correction)
         batch.sampling_is_weights = weights  # (B, T) or (B, 1)
-        local = sampling_stats(batch.old_logps, batch.sampling_logps, mask, weights, rows)
+        local = sampling_stats(batch.old_logps, batch.sampling_logps, mask, weights, correction.per_sequence, rows)
         per_rank = self.collective.gather_rows(local.as_tensor().to(batch.advantages.device).unsqueeze(0))  # (P, 7)
         return sampling_metrics(per_rank.cpu())
 

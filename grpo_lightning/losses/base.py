@@ -120,6 +120,12 @@ class PolicyLoss:
             return self.epsilon_high
         return self.epsilon if self.default_epsilon_high is None else self.default_epsilon_high
 
+    def per_sequence(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` (derived from the ratio) holds one value per sequence: a
+        sequence-level ratio that nothing widened to ``(B, T)``. A token-level ``(B, 1)`` tensor
+        (a micro-batch trimmed to width 1) is per token."""
+        return self.importance_sampling_level == "sequence" and values.shape[-1] == 1
+
     def _warn_about_level(self) -> None:
         level = self.importance_sampling_level
         if self.name == "luspo" and level != "sequence":

@@ -43,7 +43,8 @@ class CISPOLoss(PolicyLoss):
         values = -weight * state.advantages * state.logps  # (B, T)
         with torch.no_grad():
             clipped = ((state.ratio > cap) & (state.advantages > 0)).float()
-        return TokenLoss(values, {"cispo_clip_ratio": mean_metric(clipped, state.mask)})
+        ratio_metric = mean_metric(clipped, state.mask, self.per_sequence(clipped))
+        return TokenLoss(values, {"cispo_clip_ratio": ratio_metric})
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         return global_token_mean(

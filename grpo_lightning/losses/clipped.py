@@ -42,12 +42,13 @@ class ClippedPolicyLoss(PolicyLoss):
             low = ((ratio < 1 - eps_lo) & (advantages < 0)).float()
             high = ((ratio > 1 + eps_hi) & (advantages > 0)).float()
             region = torch.maximum(low, high)
+            per_sequence = self.per_sequence(low)
             metrics = {
-                "clip_ratio/low_mean": mean_metric(low, state.mask),
-                "clip_ratio/high_mean": mean_metric(high, state.mask),
-                "clip_ratio/region_mean": mean_metric(region, state.mask),
-                "clip_ratio/low_min": sequence_extreme_metric(low, state.mask, "min"),
-                "clip_ratio/high_max": sequence_extreme_metric(high, state.mask, "max"),
+                "clip_ratio/low_mean": mean_metric(low, state.mask, per_sequence),
+                "clip_ratio/high_mean": mean_metric(high, state.mask, per_sequence),
+                "clip_ratio/region_mean": mean_metric(region, state.mask, per_sequence),
+                "clip_ratio/low_min": sequence_extreme_metric(low, state.mask, "min", per_sequence),
+                "clip_ratio/high_max": sequence_extreme_metric(high, state.mask, "max", per_sequence),
             }
         return TokenLoss(values, metrics)
 

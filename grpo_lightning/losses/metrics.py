@@ -12,25 +12,34 @@ from grpo_lightning.algo.stats import nanmax, nanmin
 from grpo_lightning.types import MetricValue
 
 
-def mean_metric(values: torch.Tensor, mask: torch.Tensor) -> MetricValue:
-    """TRL's ``global_masked_mean`` as local (sum, count): ``(B, 1)`` inputs average over rows."""
+def mean_metric(values: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False) -> MetricValue:
+    """TRL's ``global_masked_mean`` as local (sum, count).
+
+    ``per_sequence``: ``values`` is ``(B, 1)``, one value per sequence (sequence-level ratios, φ),
+    averaged over all rows as TRL does. Otherwise ``values`` is ``(B, T)`` per token, averaged over
+    ``mask``. The caller says which: a micro-batch trimmed to width 1 has token tensors of shape
+    ``(B, 1)`` too, and inferring the level from the shape would count its masked rows.
+    """
     values = values.detach().float()
-    if values.shape[-1] == 1:  # one value per sequence (sequence-level ratios, φ)
+    if per_sequence:
         return MetricValue(values.sum(), torch.tensor(float(values.shape[0]), device=values.device))
     mask = mask.detach().float()
     return MetricValue((values * mask).sum(), mask.sum())
 
 
-def sequence_extreme_metric(values: torch.Tensor, mask: torch.Tensor, reduce: str) -> MetricValue:
-    """Min or max over sequences of the per-sequence masked mean (empty rows ignored, as NaN)."""
+def sequence_extreme_metric(
+    values: torch.Tensor, mask: torch.Tensor, reduce: str, per_sequence: bool = False
+) -> MetricValue:
+    """Min or max over sequences of the per-sequence masked mean (empty rows ignored, as NaN);
+    ``per_sequence`` as in :func:`mean_metric`."""
     values = values.detach().float()
-    if values.shape[-1] == 1:
-        per_sequence = values.squeeze(-1)
+    if per_sequence:
+        row_values = values.squeeze(-1)
     else:
         mask = mask.detach().float()
-        per_sequence = (values * mask).sum(-1) / mask.sum(-1)  # (B,) NaN for empty rows, as TRL
-    extreme = nanmin(per_sequence) if reduce == "min" else nanmax(per_sequence)
-    valid = (~torch.isnan(per_sequence)).sum().float()
+        row_values = (values * mask).sum(-1) / mask.sum(-1)  # (B,) NaN for empty rows, as TRL
+    extreme = nanmin(row_values) if reduce == "min" else nanmax(row_values)
+    valid = (~torch.isnan(row_values)).sum().float()
     return MetricValue(extreme, valid, reduce=reduce)  # type: ignore[arg-type]
 
 

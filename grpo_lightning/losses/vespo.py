@@ -118,7 +118,7 @@ class VESPOLoss(PolicyLoss):
             self.vespo_lambda_neg,
         )  # (B, 1)
         values = -phi * state.advantages * state.logps  # (B, T)
-        return TokenLoss(values, {"vespo/phi_seq_mean": mean_metric(phi, state.mask)})
+        return TokenLoss(values, {"vespo/phi_seq_mean": mean_metric(phi, state.mask, per_sequence=True)})
 
     def normalize(self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         return global_token_mean(

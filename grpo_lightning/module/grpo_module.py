@@ -30,7 +30,7 @@ from grpo_lightning.module.peft_models import drop_quantization_state, export_po
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
 from grpo_lightning.module.step_gradients import StepGradients
-from grpo_lightning.module.step_logging import FlushStepLogs, log_metrics
+from grpo_lightning.module.step_logging import FlushStepLogs, log_evaluation
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
@@ -101,7 +101,7 @@ class GRPOModule(pl.LightningModule):
         self,
         model: str | CausalLM,
         tokenizer: str | None = None,
-        loss: str | PolicyLoss = lazy_instance(DAPOLoss),
+        loss: PolicyLoss | str = lazy_instance(DAPOLoss),
         learning_rate: float = 1e-6,
         optimizer: OptimizerCallable | None = None,
         weight_decay: float = 0.0,
@@ -295,13 +295,8 @@ class GRPOModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         windows, self._eval_windows = self._eval_windows, {}
-        if self.trainer.sanity_checking:
-            return
-        for prefix, window in windows.items():
-            metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
-            log_metrics(self.trainer, metrics)
-            for name, value in metrics.items():  # for callbacks, e.g. ModelCheckpoint(monitor="eval_reward")
-                self.log(name, value, logger=False, prog_bar=name == prefix + "reward")
+        if not self.trainer.sanity_checking:
+            log_evaluation(self, windows)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return [FlushStepLogs(self._metrics)]  # logs the training metrics, ahead of the checkpoints

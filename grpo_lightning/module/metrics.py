@@ -19,8 +19,9 @@ from grpo_lightning.types import MetricValue
 # (tensor, op in {"sum", "min", "max"}) -> reduced tensor; identity on a single process.
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 
-# Metrics that are running totals: the latest value is logged, not a mean.
-CUMULATIVE_METRICS = frozenset({"num_tokens"})
+# Metrics logged at their latest value, not as the mean since the last log, as the HF Trainer
+# does: the running total ``num_tokens``, and the last step's ``grad_norm`` and ``learning_rate``.
+LATEST_VALUE_METRICS = frozenset({"num_tokens", "grad_norm", "learning_rate"})
 
 
 def reduce_metric_values(metrics: dict[Hashable, MetricValue], all_reduce: AllReduce | None) -> dict[Hashable, float]:
@@ -58,7 +59,7 @@ class MetricsWindow:
 
     def add(self, values: dict[str, float]) -> None:
         for name, value in values.items():
-            if name in CUMULATIVE_METRICS:
+            if name in LATEST_VALUE_METRICS:
                 self._latest[name] = float(value)
             else:
                 self._values[name].append(float(value))
@@ -75,7 +76,8 @@ class MetricsWindow:
         self._latest = dict(state["latest"])
 
     def flush(self) -> dict[str, float]:
-        """NaN-dropping means of everything added since the last flush (NaN if nothing valid)."""
+        """NaN-dropping means of everything added since the last flush (NaN if nothing valid);
+        the latest value of the :data:`LATEST_VALUE_METRICS`."""
         out = dict(self._latest)
         for name, values in self._values.items():
             valid = [v for v in values if not math.isnan(v)]

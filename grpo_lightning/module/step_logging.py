@@ -7,22 +7,49 @@ resume after a step it never logged. :class:`FlushStepLogs`, returned by
 ``GRPOModule.configure_callbacks``, logs from the callback list instead, ahead of every
 checkpoint, and its state (the metrics gathered since the last log, ``log_every_n_steps > 1``)
 travels in the checkpoint as any callback's does: a resumed run logs the same averages.
+:func:`log_evaluation` logs an evaluation's metrics, inside ``fit`` or standalone.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 
-from grpo_lightning.module.metrics import TrainingMetrics
+from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics
 
 
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     """``metrics`` to every logger of ``trainer``, at its global step."""
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def fractional_epoch(trainer: pl.Trainer, batch_idx: int) -> float:
+    """The HF Trainer's ``epoch``: epochs done plus the share of this epoch's batches done
+    (``batch_idx`` the last finished one); the epoch number when the count is unknown."""
+    batches = trainer.num_training_batches
+    fraction = (batch_idx + 1) / batches if isinstance(batches, int) and batches else 0.0
+    return trainer.current_epoch + fraction
+
+
+def log_evaluation(module: pl.LightningModule, windows: dict[str, MetricsWindow]) -> None:
+    """One evaluation's ``eval_*`` metrics (each named set's window, under its prefix): in
+    ``trainer.callback_metrics`` for callbacks (``ModelCheckpoint(monitor="eval_reward")``), and
+    to the loggers. Standalone (``grpo validate``, ``trainer.validate``) through Lightning's logging,
+    which prints the results table and returns the metrics; inside ``fit`` straight to the loggers
+    at the current optimizer step."""
+    trainer = module.trainer
+    standalone = trainer.state.fn == TrainerFn.VALIDATING
+    for prefix, window in windows.items():
+        metrics = {prefix + k: v for k, v in window.flush().items() if not math.isnan(v)}
+        if not standalone:
+            log_metrics(trainer, metrics)
+        for name, value in metrics.items():
+            module.log(name, value, logger=standalone, prog_bar=name == prefix + "reward")
 
 
 class FlushStepLogs(pl.Callback):
@@ -45,14 +72,15 @@ class FlushStepLogs(pl.Callback):
             return
         self.last_global_step = trainer.global_step
         if trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop:
-            self.flush(trainer)
+            self.flush(trainer, fractional_epoch(trainer, batch_idx))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if self.metrics:
-            self.flush(trainer)
+            self.flush(trainer, trainer.current_epoch + 1.0)
 
-    def flush(self, trainer: pl.Trainer) -> None:
-        log_metrics(trainer, {**self.metrics.flush_log(), "epoch": float(trainer.current_epoch)})
+    def flush(self, trainer: pl.Trainer, epoch: float) -> None:
+        """Log the metrics gathered since the last log, with the (fractional) ``epoch``, as TRL."""
+        log_metrics(trainer, {**self.metrics.flush_log(), "epoch": float(epoch)})
 
     def state_dict(self) -> dict[str, Any]:
         return self.metrics.state_dict()

@@ -58,6 +58,12 @@ class Sampler(ABC):
         return self._handle
 
     @property
+    def max_sequence_length(self) -> int | None:
+        """The longest prompt + completion the back-end itself accepts (a vLLM engine's or
+        server's ``max_model_len``); ``None`` when only the model's own context bounds it."""
+        return None
+
+    @property
     def served_version(self) -> int | None:
         """The policy version (optimizer step) whose weights ``generate`` samples from; ``None``
         before a back-end with its own weights received any."""

@@ -26,13 +26,13 @@ from grpo_lightning.samplers.vllm_common import (
     distributed_rank_and_world, engine_prompt, engine_prompt_logprobs, image_token_id, import_vllm, policy_weights,
     sampling_params,
 )
+from grpo_lightning.samplers.vllm_launch import set_launcher_env, tensor_parallel_group
 from grpo_lightning.samplers.weight_probe import (
     WeightProbe, WeightSyncError, checksums, coarser_dtype, first_differing_parameter, run_with_deadline,
 )
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
 
 log = logging.getLogger(__name__)
-MASTER_PORTS = (29500, 23456, 12355, 12345)  # TRL's choice order for MASTER_PORT
 
 
 class VLLMColocateSampler(Sampler):
@@ -231,9 +231,9 @@ class VLLMColocateSampler(Sampler):
         if self.kv_cache_memory_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * 2**30)
         if distributed:
-            _set_launcher_env(rank, torch.distributed.get_world_size())
+            set_launcher_env(rank, torch.distributed.get_world_size())
             kwargs["distributed_executor_backend"] = "external_launcher"
-            self._tp_group = _tp_group(rank, torch.distributed.get_world_size(), self.tensor_parallel_size)
+            self._tp_group = tensor_parallel_group(rank, torch.distributed.get_world_size(), self.tensor_parallel_size)
         self._owns_process_group = not distributed
         kwargs.update(self.engine_kwargs)
         # vLLM's CPU worker drops torch to one thread and disables set_num_threads for the whole
@@ -272,6 +272,13 @@ class VLLMColocateSampler(Sampler):
         if path and os.path.isdir(path):
             return path
         return self._tmpdir  # saved beside a temporary model, else None: the model's own
+
+    @property
+    def max_sequence_length(self) -> int | None:
+        """The engine's ``max_model_len`` once it runs, else the configured ``max_model_length``."""
+        if self.llm is not None:
+            return int(self.llm.llm_engine.model_config.max_model_len)
+        return self.max_model_length
 
     @property
     def engine_dtype(self) -> torch.dtype:
@@ -351,46 +358,6 @@ def _trainer(handle: PolicyHandle) -> Any:
         return getattr(handle, "trainer", None)
     except RuntimeError:  # a LightningModule not attached to a Trainer
         return None
-
-
-def _set_launcher_env(rank: int, world_size: int) -> None:
-    """The variables vLLM's ``external_launcher`` reads (spec §7.2); Lightning's own are kept."""
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("MASTER_ADDR", "localhost")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-
-
-def _free_port() -> int:
-    """The first of the conventional ``MASTER_PORTS`` that binds, else a free non-ephemeral port."""
-    import socket
-
-    from grpo_lightning.utils.ports import free_port
-
-    for port in MASTER_PORTS:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("localhost", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
-
-
-def _tp_group(rank: int, world_size: int, tp: int) -> Any:
-    """This rank's tensor-parallel group (consecutive ranks) and its members, or None for tp=1.
-    Every rank creates every group, as ``new_group`` requires."""
-    if tp == 1:
-        return None
-    mine = None
-    for start in range(0, world_size, tp):
-        members = list(range(start, start + tp))
-        group = torch.distributed.new_group(members)
-        if rank in members:
-            mine = (group, members)
-    return mine
 
 
 __all__ = ["VLLMColocateSampler", "WeightSyncError"]

@@ -150,6 +150,11 @@ class VLLMServerSampler(Sampler):
         self.max_model_len = client.max_model_len()
         self.client = client
 
+    @property
+    def max_sequence_length(self) -> int | None:
+        """The server's ``max_model_len`` (known once connected)."""
+        return self.max_model_len
+
     def push_weights(self, handle: PolicyHandle, version: int) -> None:
         """Rank 0 sends the policy (every rank gathers) and verifies the server serves it; every
         rank then knows the outcome, and all raise together on a failure."""

@@ -6,8 +6,10 @@ an ``{"error": ...}`` tool message that the model reads in its next turn (and co
 synchronous calls run one after another in call order, then its ``async def`` calls run
 concurrently; the async calls of all rows of a batch run concurrently with each other.
 
-A synchronous call that overruns its timeout is abandoned, not killed (Python cannot stop a
-thread): its daemon thread may finish later and its result is dropped.
+Arguments are first read as the types the tool's schema declares (``"3"`` for an ``int`` is 3;
+``tools/argument_types.py``). A synchronous call runs on the training thread when there is no
+timeout; with one it runs on a worker thread, and one that overruns is abandoned, not killed
+(Python cannot stop a thread): its daemon thread may finish later and its result is dropped.
 
 Layer L1: the standard library (and the package's background event loop).
 """
@@ -21,6 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from grpo_lightning.tools.argument_types import coerce_arguments
 from grpo_lightning.tools.parsers import ToolCall
 from grpo_lightning.tools.toolbox import Tool, Toolbox
 from grpo_lightning.utils import async_loop
@@ -33,7 +36,7 @@ class ToolResult:
     Attributes:
         call: The call.
         content: The tool message content: the result as text, or, for a tool returning a list
-            (multimodal content blocks such as ``{"type": "image", "image": ...}``), that list.
+            of content blocks (``{"type": "text" | "image", ...}``), that list.
         error: Why the call failed (``None`` when it succeeded).
     """
 
@@ -71,13 +74,13 @@ def execute_calls(
     pending: list[tuple[int, int, Tool, dict[str, Any]]] = []
     for r, (row, toolbox) in enumerate(zip(calls, toolboxes)):
         for c, call in enumerate(row):
-            tool, problem = _resolve(call, toolbox)
+            tool, arguments, problem = _resolve(call, toolbox)
             if problem is not None:
                 results[r][c] = failure(call, problem)
             elif tool.is_async:
-                pending.append((r, c, tool, call.arguments))
+                pending.append((r, c, tool, arguments))
             else:
-                results[r][c] = _run_sync(call, tool, timeout_s)
+                results[r][c] = _run_sync(call, tool, arguments, timeout_s)
     if pending:
         outcomes = async_loop.gather(_run_async(tool, arguments, timeout_s) for _, _, tool, arguments in pending)
         for (r, c, tool, _), (value, error) in zip(pending, outcomes):
@@ -86,45 +89,60 @@ def execute_calls(
     return [[result for result in row if result is not None] for row in results]
 
 
-def _resolve(call: ToolCall, toolbox: Toolbox) -> tuple[Tool, None] | tuple[None, str]:
+def _resolve(call: ToolCall, toolbox: Toolbox) -> tuple[Tool, dict[str, Any], None] | tuple[None, None, str]:
+    """The tool a call names and its arguments read as the schema's types, or why it cannot run."""
     if call.type != "function":
-        return None, f"Unsupported tool call type: {call.type}"
+        return None, None, f"Unsupported tool call type: {call.type}"
     tool = toolbox.get(call.name)
     if tool is None:
         available = ", ".join(toolbox) or "none"
-        return None, f"Tool {call.name} not found (available tools: {available})."
+        return None, None, f"Tool {call.name} not found (available tools: {available})."
+    arguments = coerce_arguments(call.arguments, tool.schema)
     try:
-        inspect.signature(tool.func).bind(**call.arguments)
+        inspect.signature(tool.func).bind(**arguments)
     except TypeError as err:
-        return None, f"Bad arguments for tool {call.name}: {err}"
-    return tool, None
+        return None, None, f"Bad arguments for tool {call.name}: {err}"
+    return tool, arguments, None
 
 
 def _success(call: ToolCall, value: Any) -> ToolResult:
-    return ToolResult(call, list(value) if isinstance(value, list) else str(value))
+    """A list of content blocks (dicts with a ``type``: text, images) stays a list; any other
+    value, a list of numbers or strings included, is the tool message's text, as in TRL."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "type" in v for v in value):
+        return ToolResult(call, list(value))
+    return ToolResult(call, str(value))
 
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-def _run_sync(call: ToolCall, tool: Tool, timeout_s: float | None) -> ToolResult:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
+def _run_sync(call: ToolCall, tool: Tool, arguments: dict[str, Any], timeout_s: float | None) -> ToolResult:
+    """One synchronous call: inline on the calling thread without a timeout (as TRL: state bound
+    to a thread, a ``sqlite3`` connection say, works), on a worker thread that can be abandoned
+    with one."""
+    if timeout_s is None:
         try:
-            box["value"] = tool.func(**call.arguments)
-        except BaseException as err:  # the tool's error is the model's feedback
-            box["error"] = err
+            value = tool.func(**arguments)
+        except Exception as err:  # the tool's error is the model's feedback
+            return failure(call, _describe(err))
+    else:
+        box: dict[str, Any] = {}
 
-    worker = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return failure(call, f"Tool {call.name} timed out after {timeout_s} s.")
-    if "error" in box:
-        return failure(call, _describe(box["error"]))
-    value = box.get("value")
+        def target() -> None:
+            try:
+                box["value"] = tool.func(**arguments)
+            except BaseException as err:  # the tool's error is the model's feedback
+                box["error"] = err
+
+        worker = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            return failure(call, f"Tool {call.name} timed out after {timeout_s} s.")
+        if "error" in box:
+            return failure(call, _describe(box["error"]))
+        value = box.get("value")
     if inspect.isawaitable(value):  # a sync wrapper returning a coroutine
         value, error = async_loop.run(_run_async_value(value, timeout_s, call.name))
         return failure(call, error) if error is not None else _success(call, value)

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers.logger import Logger
 
 from grpo_lightning.errors import ConfigError
+from grpo_lightning.module.step_logging import fractional_epoch
 from grpo_lightning.rewards.loading import import_dotted_path
 
 log = logging.getLogger(__name__)
@@ -179,9 +180,7 @@ class TrainerCallbacks(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        batches = trainer.num_training_batches
-        fraction = (batch_idx + 1) / batches if isinstance(batches, int) and batches else 0.0
-        self._epoch = trainer.current_epoch + fraction
+        self._epoch = fractional_epoch(trainer, batch_idx)
         if trainer.global_step == self._last_step:
             self._fire("on_substep_end")
             return
@@ -233,7 +232,7 @@ class TrainerCallbacks(pl.Callback):
         logs = {k: float(v) for k, v in metrics.items()}
         if any(k.startswith("eval_") for k in logs):
             self._eval_logs.update(logs)
-        logs["epoch"] = self.epoch  # transformers' fractional epoch (the loggers get the epoch number)
+        logs["epoch"] = self.epoch  # transformers' fractional epoch (also what the loggers get)
         self.log_history.append({**logs, "step": int(step if step is not None else trainer.global_step)})
         self._fire("on_log", logs=logs)
 

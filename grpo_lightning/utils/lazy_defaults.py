@@ -1,6 +1,6 @@
 """Component defaults declared with jsonargparse's ``lazy_instance``.
 
-A constructor default such as ``loss: str | PolicyLoss = lazy_instance(DAPOLoss)`` lets the CLI
+A constructor default such as ``loss: PolicyLoss | str = lazy_instance(DAPOLoss)`` lets the CLI
 show, save and override every knob of the default component (``--model.loss.epsilon 0.3``). The
 default object itself is created once, when the signature is defined, and is shared by every call;
 and until one of its methods runs it has none of its attributes. :func:`fresh_instance` turns it

@@ -21,6 +21,8 @@ class ScriptedSampler(Sampler):
     With ``logprobs``, token ``i`` of a turn reports log-prob ``-(i + 1) / 10``.
     """
 
+    max_sequence_length: int | None = None  # a back-end's own limit (a vLLM max_model_len), settable
+
     def __init__(self, script: Callable[[str, int], str], logprobs: bool = False) -> None:
         super().__init__()
         self.script = script

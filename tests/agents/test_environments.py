@@ -73,11 +73,13 @@ def test_probe_pool_and_reuse():
     assert envs.toolbox(None, first[1])["run_code"].func.__self__ is first[1]  # bound to its rollout's instance
 
 
-def test_reset_gets_the_row_without_prompt_and_routing_column():
+def test_reset_gets_the_row_with_its_prompt_and_without_the_routing_column():
+    """TRL's ``reset(**row)``: an environment written ``reset(self, prompt, **kwargs)`` works."""
     envs = EnvironmentSet({"coding": CodingEnv})
     (env,) = envs.acquire(["coding"])
-    observation = envs.reset(env, {"prompt": [{"role": "user", "content": "x"}], "environment": "coding", "level": 3})
-    assert observation == "Compute fib(10)." and env.seen == {"level": 3}
+    prompt = [{"role": "user", "content": "x"}]
+    observation = envs.reset(env, {"prompt": prompt, "environment": "coding", "level": 3})
+    assert observation == "Compute fib(10)." and env.seen == {"prompt": prompt, "level": 3}
 
 
 def test_routing_and_its_errors():

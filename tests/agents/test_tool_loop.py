@@ -168,6 +168,36 @@ def test_context_limit_stops_the_loop(qwen):
     assert len(inner.calls) == 1 and set(rollout.tool_mask) == {1} and rollout.extra["num_tool_calls"] == 1
 
 
+def test_the_back_ends_own_limit_stops_the_loop(qwen):
+    """A vLLM engine's or server's ``max_model_len`` below the model's context bounds the loop too."""
+    _, tokenizer = qwen
+    first = call("multiply", a=3, b=4)
+    sampler, inner = agent(tokenizer, lambda c, j: first)
+    prompt = sampler.render_prompt(USER, TOOLS)
+    sampler._handle.max_context_length = 100_000
+    inner.max_sequence_length = len(prompt) + len(ids(tokenizer, first)) + 3
+    _, _, (rollout,) = run(sampler)
+    assert len(inner.calls) == 1 and set(rollout.tool_mask) == {1} and rollout.extra["num_tool_calls"] == 1
+
+
+def test_each_turn_fits_the_back_ends_limit_row_by_row(qwen):
+    """Rows with little context left are not asked for a longer row's room (a vLLM server refuses
+    a request past its ``max_model_len``): each call fits every row it holds."""
+    _, tokenizer = qwen
+    long_call = call("multiply", a=3, b=4) + " " + "ok " * 60  # row 0's first turn uses much of the context
+    script = lambda c, j: "12" if "<tool_response>" in c else (long_call if j == 0 else call("multiply", a=3, b=4))
+    sampler, inner = agent(tokenizer, script)
+    prompt = sampler.render_prompt(USER, TOOLS)
+    limit = len(prompt) + len(ids(tokenizer, long_call)) + 60
+    inner.max_sequence_length = limit
+    _, _, rollouts = run(sampler, n=2, group=2, max_completion_length=200)
+    assert [r.extra["num_tool_calls"] for r in rollouts] == [1, 1]
+    assert len(inner.calls) == 3  # the second turns in two calls (the first is the prompt's, as without tools)
+    for contexts, _, max_tokens in inner.calls[1:]:
+        assert all(len(c) + max_tokens <= limit for c in contexts)
+    assert all(len(prompt) + len(r.completion_ids) <= limit for r in rollouts)
+
+
 def take_screenshot() -> list:
     """Takes a screenshot of the current screen.
 

@@ -101,7 +101,7 @@ def test_bad_settings_name_the_setting(kwargs, message):
 
 def test_metrics_token_mode_over_loss_tokens_of_all_ranks():
     w = weights("token_truncate", None, 3.0)  # row 1 token 0: 3.32 -> 3.0
-    stats = sampling_stats(OLD, SAMP, MASK, w)
+    stats = sampling_stats(OLD, SAMP, MASK, w, per_sequence=False)
     gaps = [0.5, 1.0, 0.0, 1.2, 0.0]  # |d| over the five loss tokens
     ratios = [math.exp(0.5), math.exp(-1.0), 1.0, 3.0, 1.0]
     assert stats.token_count == 5 and stats.ratio_count == 5
@@ -117,17 +117,46 @@ def test_metrics_token_mode_over_loss_tokens_of_all_ranks():
 
 def test_metrics_sequence_mode_over_counted_sequences():
     w = weights("sequence_mask", None, 3.0)  # [0.6065, 0]
-    metrics = sampling_metrics(sampling_stats(OLD, SAMP, MASK, w).as_tensor()[None])
+    metrics = sampling_metrics(sampling_stats(OLD, SAMP, MASK, w, per_sequence=True).as_tensor()[None])
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(-0.5) / 2)
     assert metrics["sampling/importance_sampling_ratio/min"] == 0.0
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))
     # Rows that do not count (evaluation repeats) are left out of every statistic.
-    only_row_0 = sampling_metrics(sampling_stats(OLD, SAMP, MASK, w, rows=torch.tensor([True, False])).as_tensor()[None])
+    only_row_0 = sampling_metrics(
+        sampling_stats(OLD, SAMP, MASK, w, per_sequence=True, rows=torch.tensor([True, False])).as_tensor()[None]
+    )
     assert only_row_0["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(-0.5))
     assert only_row_0["sampling/sampling_logp_difference/max"] == pytest.approx(1.0)
 
 
 def test_metrics_without_any_token_are_nan_not_errors():
-    empty = sampling_stats(OLD, SAMP, torch.zeros_like(MASK), weights("token_mask"))
+    empty = sampling_stats(OLD, SAMP, torch.zeros_like(MASK), weights("token_mask"), per_sequence=False)
     metrics = sampling_metrics(empty.as_tensor()[None])
     assert all(math.isnan(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "token_mask", "sequence_mask"])
+def test_a_token_the_sampler_could_not_score_gets_ratio_one_and_no_gap(mode):
+    """A NaN sampler log-prob (TRL: vLLM could not score the token) is no correction (d = 0) and is
+    left out of the gap metrics, as in TRL; it never turns a weight or a metric into NaN."""
+    samp = SAMP.clone()
+    samp[0, 1] = float("nan")  # d was -1.0 there
+    correction = ImportanceSamplingCorrection(mode=mode, clip_max=5.0)
+    w = importance_sampling_weights(OLD, samp, MASK, correction)
+    d = [[0.5, 0.0, 0.0], [1.2, 0.0, 0.0]]
+    expected = [[math.exp(x) for x in row] for row in d]
+    if correction.per_sequence:
+        expected = [[math.exp(sum(row))] for row in d]
+    torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    stats = sampling_stats(OLD, samp, MASK, w, per_sequence=correction.per_sequence)
+    assert stats.token_count == 4  # the NaN token is not a gap of 0
+    assert stats.difference_sum == pytest.approx(0.5 + 0.0 + 1.2 + 0.0)
+
+
+def test_one_token_completions_in_token_mode_count_only_loss_tokens():
+    """Token-mode weights of one-token completions are ``(B, 1)`` like sequence-mode ones: the
+    mode, not the shape, says how to count them (row 1's single position is masked)."""
+    old, samp, mask = OLD[:, :1], SAMP[:, :1], torch.tensor([[1], [0]])
+    w = importance_sampling_weights(old, samp, mask, ImportanceSamplingCorrection(mode="token_truncate"))
+    stats = sampling_stats(old, samp, mask, w, per_sequence=False)
+    assert stats.ratio_count == 1 and stats.ratio_sum == pytest.approx(math.exp(0.5))

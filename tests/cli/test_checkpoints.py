@@ -118,3 +118,33 @@ def test_a_failing_run_leaves_a_checkpoint_that_last_resumes(tmp_path):
     written = os.path.join(checkpoint_dir(str(tmp_path)), "on_exception.ckpt")
     assert resolve_ckpt_path("last", str(tmp_path)) == written
     assert torch.load(written, weights_only=False)["global_step"] == 2
+
+
+def test_last_goes_by_step_not_by_write_time(tmp_path):
+    """A copied run folder (``cp -r`` without ``-p``) has fresh, meaningless write times."""
+    folder = tmp_path / "checkpoints"
+    _save(folder / "step=0000008.ckpt", 8)
+    _save(folder / "step=0000006.ckpt", 6)  # written later
+    _save(folder / "on_exception.ckpt", 4)  # written last, at an earlier step
+    assert resolve_ckpt_path("last", str(tmp_path)) == str(folder / "step=0000008.ckpt")
+
+
+def _fit_with_default_checkpoints(root, max_steps, ckpt_path=None):
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(root),
+                         callbacks=place_checkpoints([], str(root), every_n_steps=1, keep=2))
+    module = GRPOModule(make_model_dir(root / "m"), learning_rate=1e-2, save_final_model=False)
+    data = RolloutDataModule(write_prompts(root / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=8, generation=GenerationParams(max_completion_length=4))
+    trainer.fit(module, data, ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+
+
+def test_a_resumed_run_links_last_to_its_newest_checkpoint(tmp_path):
+    """Not to a versioned ``last-v1.ckpt`` beside a stale ``last.ckpt``; the checkpoint the run
+    resumed from is kept besides the ``keep_checkpoints`` newest (Lightning never deletes it)."""
+    _fit_with_default_checkpoints(tmp_path, 2)
+    _fit_with_default_checkpoints(tmp_path, 4, "last")
+    folder = checkpoint_dir(str(tmp_path))
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "step=0000002.ckpt", "step=0000003.ckpt", "step=0000004.ckpt"]
+    assert os.readlink(os.path.join(folder, "last.ckpt")) == "step=0000004.ckpt"
+    assert resolve_ckpt_path("last", str(tmp_path)) == os.path.join(folder, "step=0000004.ckpt")

@@ -28,7 +28,7 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    from grpo_lightning.data.rollout_builder import trainer_collective
+    from grpo_lightning.data.collective import trainer_collective
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=SimpleNamespace(all_gather=_gather))

@@ -54,9 +54,11 @@ def test_in_fit_evaluation_logs_eval_metrics(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_validate_and_named_eval_sets(setup, tmp_path):
+def test_grpo_validate_and_named_eval_sets(setup, tmp_path, capsys):
     config = write_config(setup, tmp_path, eval_dataset={"easy": setup["test"], "all": setup["train"]})
     main(["validate", "--config", str(config)])
+    printed = capsys.readouterr().out  # Lightning's results table, as after any `trainer.validate`
+    assert "eval_easy_reward" in printed and "eval_all_loss" in printed, printed
     rewards, run = history(tmp_path / "run", "eval_easy_reward")
     assert len(rewards) == 1
     assert "eval_all_reward" in run.data.metrics and "eval_all_completions/mean_length" in run.data.metrics

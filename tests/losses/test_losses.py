@@ -395,6 +395,36 @@ def test_fully_masked_batch_gives_zero_loss_and_finite_grads(loss_type):
         assert math.isnan(m["clip_ratio/low_min"])  # no sequence to take a min over
 
 
+@pytest.mark.parametrize("loss_type", sorted(LOSSES))
+def test_token_metrics_of_a_width_one_micro_batch_count_only_its_loss_tokens(loss_type):
+    """A micro-batch trimmed to completion width 1 has ``(B, 1)`` token tensors: its token metrics
+    are still masked means (rows 1 and 2 are masked out: no loss tokens), not means over rows."""
+    lp = torch.log(torch.tensor([[0.5], [0.5], [0.5]], dtype=torch.float64)).requires_grad_(True)
+    old = lp.detach() - torch.tensor([[0.0], [1.0], [1.0]], dtype=torch.float64)  # rows 1, 2: ratio e
+    mask = torch.tensor([[1.0], [0.0], [0.0]])
+    ref = lp.detach() + torch.tensor([[0.0], [0.5], [0.5]], dtype=torch.float64)  # kl 0 on row 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, m = policy_loss(loss_type, lp, old, torch.tensor([1.0, 1.0, 1.0]), mask, ref_logps=ref, beta=0.1,
+                           entropies=torch.tensor([[2.0], [5.0], [5.0]]), max_completion_length=1)
+    assert m["entropy"] == pytest.approx(2.0)
+    assert m["kl"] == pytest.approx(0.0, abs=TOL)
+    for name in ("clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/high_max", "cispo_clip_ratio"):
+        if name in m:
+            assert m[name] == 0.0, name  # the high-clipped rows 1, 2 carry no loss token
+
+
+def test_sequence_level_metrics_of_a_width_one_micro_batch_average_over_rows():
+    """At sequence level a ``(B, 1)`` ratio is one value per sequence, averaged over all rows as in
+    TRL, whatever the completion width: row 1 (no loss token, ratio 1) counts, so the high-clipped
+    row 0 is half the rows (a masked token mean would say 1.0)."""
+    lp = torch.log(torch.tensor([[0.5], [0.5]], dtype=torch.float64)).requires_grad_(True)
+    old = lp.detach() - torch.tensor([[1.0], [0.0]], dtype=torch.float64)  # row 0: ratio e
+    _, m = policy_loss("grpo", lp, old, torch.tensor([1.0, 1.0]), torch.tensor([[1.0], [0.0]]),
+                       importance_sampling_level="sequence")
+    assert m["clip_ratio/high_mean"] == pytest.approx(0.5)
+
+
 def test_mask_dtypes_are_accepted():
     lp, old, adv, mask = _hand()
     ref, _ = policy_loss("grpo", lp, old, adv, mask)

@@ -39,7 +39,7 @@ class CheckpointSeesLoggedSteps(ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
 
 
-def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None):
+def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None, lr_scheduler_type="constant"):
     tmp_path.mkdir(exist_ok=True)
     logger = MemoryLogger()
     checkpoint = CheckpointSeesLoggedSteps(logger, dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1,
@@ -50,7 +50,7 @@ def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None):
                              per_device_train_batch_size=8, seed=3, generation=GenerationParams(max_completion_length=4))
     pl.seed_everything(0)
     # constant: the run stopped at step 3 follows the same schedule as the one that goes on to 4
-    module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, lr_scheduler_type="constant",
+    module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, lr_scheduler_type=lr_scheduler_type,
                         save_final_model=False)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return logger, checkpoint
@@ -72,3 +72,19 @@ def test_a_resume_between_two_logs_logs_the_same_averages(tmp_path):
         if name == "step_time":  # wall time: differs from run to run
             continue
         assert got[name] == value, (name, {k: (got[k], v) for k, v in want.items() if got[k] != v})
+
+
+def test_a_log_holds_the_last_steps_grad_norm_and_learning_rate_and_the_mean_loss(tmp_path):
+    """As the HF Trainer logs them: ``grad_norm`` and ``learning_rate`` of the last step since the
+    previous log (a linear schedule makes the rates differ), ``loss`` the mean over those steps,
+    ``epoch`` fractional."""
+    every, _ = _fit(tmp_path / "a", max_steps=2, log_every=1, lr_scheduler_type="linear")
+    second, _ = _fit(tmp_path / "b", max_steps=2, log_every=2, lr_scheduler_type="linear")
+    by_step, logged = dict(every.rows), dict(second.rows)[2]
+    assert by_step[1]["learning_rate"] != by_step[2]["learning_rate"]
+    assert logged["grad_norm"] == by_step[2]["grad_norm"]
+    assert logged["learning_rate"] == by_step[2]["learning_rate"]
+    assert logged["loss"] == (by_step[1]["loss"] + by_step[2]["loss"]) / 2
+    # HF's fractional epoch: batch k of an epoch of n batches logs epoch (k + 1) / n
+    assert 0 < by_step[1]["epoch"] < 1 or by_step[1]["epoch"] == 1.0
+    assert by_step[2]["epoch"] == 2 * by_step[1]["epoch"] == logged["epoch"]

@@ -114,3 +114,60 @@ def test_rows_see_only_their_tools():
     only_multiply = Toolbox.of([multiply])
     rows = execute_calls([[ToolCall("divide", {"a": 4, "b": 2})]] * 2, [TOOLS, only_multiply])
     assert rows[0][0].content == "2.0" and rows[1][0].failed
+
+
+def primes() -> list[int]:
+    """Primes.
+
+    Returns:
+        Some primes.
+    """
+    return [2, 3, 5]
+
+
+def concat(text: str, times: int, flag: bool = False, ratio: float | None = None) -> str:
+    """Repeats.
+
+    Args:
+        text: Text.
+        times: How often.
+        flag: A flag.
+        ratio: A ratio.
+    """
+    return repr((text * times, flag, ratio))
+
+
+def test_a_list_that_is_not_content_blocks_is_text():
+    """A list of numbers or strings is the message's text (TRL renders it so), not content blocks
+    a text-only template would drop."""
+    (row,) = execute_calls([[ToolCall("primes", {})]], [Toolbox.of([primes])])
+    assert row[0].content == "[2, 3, 5]" and not row[0].failed
+
+
+def test_arguments_are_read_as_the_schema_types():
+    """``"3"`` for an ``int`` parameter is 3 (not ``"3" * 4``), as transformers' response parsing
+    reads it for TRL; a ``str`` parameter keeps its text and an unreadable value is passed as is."""
+    tools = Toolbox.of([multiply, concat])
+    (row,) = execute_calls([[ToolCall("multiply", {"a": "3", "b": "4.0"}),
+                             ToolCall("concat", {"text": "7", "times": "2", "flag": "true", "ratio": "0.5"}),
+                             ToolCall("concat", {"text": "a", "times": "1", "ratio": "null"}),
+                             ToolCall("multiply", {"a": "three", "b": 2})]], [tools])
+    assert [r.content for r in row[:3]] == ["12", repr(("77", True, 0.5)), repr(("a", False, None))]
+    assert row[3].content == "threethree"  # as written: the tool decides what "three" means
+
+
+def test_sync_tools_without_a_timeout_run_on_the_training_thread():
+    import threading
+
+    def where() -> str:
+        """The thread.
+
+        Returns:
+            Its name.
+        """
+        return threading.current_thread().name
+
+    (row,) = execute_calls([[ToolCall("where", {})]], [Toolbox.of([where])], timeout_s=None)
+    assert row[0].content == threading.current_thread().name
+    (row,) = execute_calls([[ToolCall("where", {})]], [Toolbox.of([where])], timeout_s=5)
+    assert row[0].content == "tool-where"

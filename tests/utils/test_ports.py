@@ -16,10 +16,10 @@ def test_free_port_is_outside_the_ephemeral_range_distinct_and_bindable():
 
 
 def test_vllm_master_port_falls_back_to_a_non_ephemeral_port():
-    from grpo_lightning.samplers import vllm_colocate
+    from grpo_lightning.samplers import vllm_launch
 
     held = []
-    for port in vllm_colocate.MASTER_PORTS:  # occupy the conventional ports
+    for port in vllm_launch.MASTER_PORTS:  # occupy the conventional ports
         sock = socket.socket()
         try:
             sock.bind(("localhost", port))
@@ -28,9 +28,9 @@ def test_vllm_master_port_falls_back_to_a_non_ephemeral_port():
             continue
         held.append(sock)
     try:
-        port = vllm_colocate._free_port()
+        port = vllm_launch.free_master_port()
     finally:
         for sock in held:
             sock.close()
     low_ephemeral, high_ephemeral = _ephemeral_port_range()
-    assert port not in vllm_colocate.MASTER_PORTS and not low_ephemeral <= port <= high_ephemeral
+    assert port not in vllm_launch.MASTER_PORTS and not low_ephemeral <= port <= high_ephemeral
