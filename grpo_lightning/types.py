@@ -139,6 +139,9 @@ class RolloutBatch:
     accumulation_steps: int | None = None
     # Per-row extra model inputs (images) that every forward of these rows takes; None: text only.
     model_inputs: "RowInputs | None" = None
+    # (B,) bool, evaluation: False for rows that repeat a prompt only to keep ranks in step (they
+    # count in no metric; ``eval_loss`` weighs a step by its counted rows). None: every row counts.
+    counted: torch.Tensor | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -186,7 +189,7 @@ class RolloutBatch:
 # Per-row tensors of a RolloutBatch, and those of them that span the completion width.
 _ROW_TENSORS = (
     "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "policy_versions",
-    "tool_mask", "old_logps", "ref_logps", "sampling_logps", "sampling_is_weights",
+    "tool_mask", "old_logps", "ref_logps", "sampling_logps", "sampling_is_weights", "counted",
 )  # fmt: skip
 _COMPLETION_WIDTH_TENSORS = ("completion_ids", "completion_mask", "tool_mask", "old_logps", "ref_logps", "sampling_logps")
 

@@ -177,6 +177,7 @@ class RolloutBuilder:
         batch = self._pad(rollouts, advantages[local], device)
         if counted is not None:
             exclude_rows(batch, ~counted[local])
+            batch.counted = counted[local]
         loss_mask = batch.loss_mask
         # Loss tokens per optimizer step over all ranks: one generation batch covers S micro-steps
         # and an optimizer step GA of them (the dapo/cispo/vespo normaliser, TRL 1.16).

@@ -291,7 +291,13 @@ class GRPOModule(pl.LightningModule):
         window = self._eval_windows.setdefault(batch.metric_prefix, MetricsWindow())
         window.add(batch.generation_metrics)
         window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
-        window.add({"loss": float(self._world_mean(out.loss.detach()))})
+        counted = len(batch) if batch.counted is None else batch.counted.sum()
+        rows = torch.as_tensor(counted, dtype=torch.float32, device=self.device).reshape(1)
+        loss_and_rows = torch.cat([out.loss.detach().float().reshape(1) * rows, rows])  # (2,)
+        if self.trainer.world_size > 1:
+            loss_and_rows = self._all_reduce(loss_and_rows, "sum")
+        loss_sum, total_rows = loss_and_rows.tolist()
+        window.add({"loss": loss_sum / total_rows}, weight=total_rows)  # HF's eval_loss: a mean over rows
 
     def on_validation_epoch_end(self) -> None:
         windows, self._eval_windows = self._eval_windows, {}

@@ -51,38 +51,46 @@ def reduce_metric_values(metrics: dict[Hashable, MetricValue], all_reduce: AllRe
 
 
 class MetricsWindow:
-    """Collects metric values between two logging events."""
+    """Collects metric values between two logging events; a value may carry a weight (the rows it
+    covers: ``eval_loss`` is HF's per-row mean, not a mean over evaluation steps)."""
 
     def __init__(self) -> None:
         self._values: dict[str, list[float]] = defaultdict(list)
+        self._weights: dict[str, list[float]] = defaultdict(list)  # parallel to _values
         self._latest: dict[str, float] = {}
 
-    def add(self, values: dict[str, float]) -> None:
+    def add(self, values: dict[str, float], weight: float = 1.0) -> None:
         for name, value in values.items():
             if name in LATEST_VALUE_METRICS:
                 self._latest[name] = float(value)
             else:
                 self._values[name].append(float(value))
+                self._weights[name].append(float(weight))
 
     def __bool__(self) -> bool:
         return bool(self._values) or bool(self._latest)
 
     def state_dict(self) -> dict[str, dict]:
         """What was added since the last flush (plain lists and floats: a checkpoint holds it)."""
-        return {"values": {k: list(v) for k, v in self._values.items()}, "latest": dict(self._latest)}
+        return {"values": {k: list(v) for k, v in self._values.items()},
+                "weights": {k: list(v) for k, v in self._weights.items()}, "latest": dict(self._latest)}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         self._values = defaultdict(list, {k: list(v) for k, v in state["values"].items()})
+        weights = state.get("weights", {})  # checkpoints before weights: every value weighs 1
+        self._weights = defaultdict(list, {k: list(weights.get(k, [1.0] * len(v))) for k, v in self._values.items()})
         self._latest = dict(state["latest"])
 
     def flush(self) -> dict[str, float]:
-        """NaN-dropping means of everything added since the last flush (NaN if nothing valid);
-        the latest value of the :data:`LATEST_VALUE_METRICS`."""
+        """NaN-dropping (weighted) means of everything added since the last flush (NaN if nothing
+        valid); the latest value of the :data:`LATEST_VALUE_METRICS`."""
         out = dict(self._latest)
         for name, values in self._values.items():
-            valid = [v for v in values if not math.isnan(v)]
-            out[name] = sum(valid) / len(valid) if valid else math.nan
+            valid = [(v, w) for v, w in zip(values, self._weights[name]) if not math.isnan(v)]
+            total_weight = sum(w for _, w in valid)
+            out[name] = sum(v * w for v, w in valid) / total_weight if total_weight > 0 else math.nan
         self._values.clear()
+        self._weights.clear()
         self._latest.clear()
         return out
 

@@ -72,3 +72,6 @@ def test_with_two_ranks_every_prompt_counts_exactly_once():
     assert last0.completion_mask.sum() > 0 and torch.any(last0.advantages != 0)
     assert float(last1.num_items_in_batch) == float(last0.num_items_in_batch) == float(last0.loss_mask.sum())
     assert last0.prompt_ids.shape[0] == last1.prompt_ids.shape[0] == G
+    # eval_loss weighs a step by its counted rows (HF drops the padded repeats before its mean)
+    assert [b.counted.tolist() for b in (rank0[0], rank1[0])] == [[True] * G] * 2
+    assert last0.counted.tolist() == [True] * G and last1.counted.tolist() == [False] * G

@@ -88,3 +88,39 @@ def test_a_log_holds_the_last_steps_grad_norm_and_learning_rate_and_the_mean_los
     # HF's fractional epoch: batch k of an epoch of n batches logs epoch (k + 1) / n
     assert 0 < by_step[1]["epoch"] < 1 or by_step[1]["epoch"] == 1.0
     assert by_step[2]["epoch"] == 2 * by_step[1]["epoch"] == logged["epoch"]
+
+
+def test_eval_loss_is_a_mean_over_rows_not_over_validation_steps(tmp_path):
+    """HF's ``eval_loss`` weighs each evaluation step by its rows: 5 prompts in steps of 2 prompts
+    leave a last step of half the rows, which counts half as much."""
+    import math
+
+    from grpo_lightning.module.metrics import MetricsWindow
+
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                             per_device_train_batch_size=8, seed=3, generation=GenerationParams(max_completion_length=4),
+                             eval_dataset=write_prompts(tmp_path / "eval.jsonl", num_rows=5),
+                             per_device_eval_batch_size=4, num_generations_eval=2)
+    module = GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False)
+    steps: list[tuple[float, int]] = []  # (loss, rows) of each validation step
+    policy_loss = module._policy_loss
+
+    def recording_policy_loss(batch, totals):
+        out = policy_loss(batch, totals)
+        steps.append((float(out.loss), len(batch)))
+        return out
+
+    module._policy_loss = recording_policy_loss
+    trainer = pl.Trainer(accelerator="cpu", logger=MemoryLogger(), enable_progress_bar=False,
+                         enable_model_summary=False)
+    (results,) = trainer.validate(module, data, verbose=False)
+    assert [rows for _, rows in steps] == [4, 4, 2]
+    per_row = sum(loss * rows for loss, rows in steps) / sum(rows for _, rows in steps)
+    per_step = sum(loss for loss, _ in steps) / len(steps)
+    assert not math.isclose(per_row, per_step, rel_tol=1e-6)  # the test tells the two apart
+    assert math.isclose(results["eval_loss"], per_row, rel_tol=1e-6)
+
+    window = MetricsWindow()  # a checkpoint written before values carried weights still loads
+    window.load_state_dict({"values": {"loss": [1.0, 4.0]}, "latest": {}})
+    window.add({"loss": 7.0}, weight=2.0)
+    assert window.flush() == {"loss": (1.0 + 4.0 + 14.0) / 4}
