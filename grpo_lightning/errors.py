@@ -73,7 +73,8 @@ def find_user_error(error: BaseException, *, training_started: bool) -> BaseExce
     return None
 
 
-def user_message(error: BaseException) -> str:
-    """The text ``grpo`` prints for a user error: the message, then how to see the traceback."""
-    text = str(error) or type(error).__name__
+def user_message(error: BaseException, text: str | None = None) -> str:
+    """The text ``grpo`` prints for a user error: the message (``text`` in its place, when
+    given), then how to see the traceback."""
+    text = text or str(error) or type(error).__name__
     return f"error: {text}\n{DEBUG_HINT}"

@@ -44,7 +44,12 @@ def run_grpo(args, capsys):
     (["--model.peft_config.lora_dropout", "1.5"], "model.peft_config.lora_dropout=1.5: use a probability"),
     (["--model.peft_config.r", "0"], "model.peft_config.r=0"),
     (["--data.dynamic_sampling.max_extra_rounds", "-1"], "data.dynamic_sampling.max_extra_rounds=-1"),
-    (["--model.loss.epsilon", "-0.2"], "epsilon=-0.2: it must be >= 0.0"),
+    # a component's own check, with where its argument lives in the config in front
+    (["--model.loss.epsilon", "-0.2"], "error: model.loss.init_args.epsilon=-0.2: it must be >= 0.0"),
+    (["--model.loss", "bnpo", "--model.loss.init_args.normalizer", "step", "--model.loss.init_args.delta", "0.5"],
+     "error: model.loss.init_args.delta=0.5: the two-sided clipping cap must be > 1"),
+    (["--data.sampler", "fast_generate", "--data.sampler.init_args.max_batch_rows", "-3"],
+     "error: data.sampler.init_args.max_batch_rows=-3: use a positive number"),
     (["--data.generation.temperature", "-1"], "data.generation.temperature=-1"),
 ])
 def test_user_errors_print_one_message_without_traceback(config, capsys, override, message):

@@ -27,6 +27,7 @@ from grpo_lightning.cli.checkpoints import (
     forget_previous_run, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
 )
 from grpo_lightning.cli.devices import check_accelerator
+from grpo_lightning.cli.error_context import component_key, with_setting
 from grpo_lightning.cli.parser import COMPONENTS, GRPOArgumentParser, expand_component_names
 from grpo_lightning.cli.run_dir import check_run_dir
 from grpo_lightning.data import RolloutDataModule
@@ -297,7 +298,8 @@ def main(args: list[str] | None = None) -> None:
         reported = None if debug_enabled() else find_user_error(error, training_started=started)
         if reported is None:
             raise
-        sys.stderr.write(user_message(reported) + "\n")
+        key = component_key(reported, {key: base for key, (base, _) in COMPONENTS.items()})
+        sys.stderr.write(user_message(reported, with_setting(str(reported), key)) + "\n")
         sys.exit(1)
     finally:
         _current_trainer.reset(token)
