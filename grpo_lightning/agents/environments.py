@@ -111,6 +111,10 @@ class EnvironmentSet:
         """The tools of one rollout: its environment's methods, bound to its instance."""
         return Toolbox(tool.bound_to(getattr(instance, tool.name)) for tool in self._tools[name])
 
+    def tool_names(self, name: str | None) -> list[str]:
+        """The tool names of environment ``name`` (its public methods)."""
+        return [tool.name for tool in self._tools[name]]
+
     def schemas(self, name: str | None) -> list[dict[str, Any]]:
         return [tool.schema for tool in self._tools[name]]
 

@@ -97,6 +97,7 @@ class AgentSampler(Sampler):
         self.inner = inner
         self.tools = tools
         self.environments = environments
+        self._check_tool_names()
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.tool_timeout_s = tool_timeout_s
         self.parser_spec = parser
@@ -133,6 +134,20 @@ class AgentSampler(Sampler):
                 "the model is not told which tools exist: describe them in the system prompt, or give a template that "
                 "lists them in data.agent.chat_template."
             )
+
+    def _check_tool_names(self) -> None:
+        """A standalone tool named like an environment's method would make every rollout of that
+        environment fail at its first batch: refuse it at start-up."""
+        if self.environments is None:
+            return
+        for name in self.environments.names:
+            clash = sorted(set(self.tools) & set(self.environments.tool_names(name)))
+            if clash:
+                where = "data.agent.environment_factory" + ("" if name is None else f"[{name!r}]")
+                raise ConfigError(
+                    f"data.agent.tools and the methods of {where} both define {clash}: tool names must be unique "
+                    "within a rollout; rename the tool or the method (or make the method private with a leading _)."
+                )
 
     def _check_run_length(self, handle: Any) -> None:
         if not self.requires_max_steps:

@@ -138,3 +138,23 @@ def test_observation_appended_to_the_last_message():
     image = {"type": "image", "image": "IMG"}
     assert add_observation(prompt, [image])[-1]["content"] == [{"type": "text", "text": "Go. "}, image]
     assert add_observation([{"role": "user", "content": ""}], "Increment.")[-1]["content"] == "Increment."
+
+
+def test_a_tool_named_like_an_environment_method_fails_at_start_up():
+    from grpo_lightning.agents import AgentSampler
+    from grpo_lightning.samplers import HFGenerateSampler
+    from grpo_lightning.tools import Toolbox
+
+    def move(action: str) -> str:
+        """Move elsewhere.
+
+        Args:
+            action: Where to.
+        """
+        return action
+
+    environments = EnvironmentSet({"code": CodingEnv, "game": GameEnv})
+    with pytest.raises(ConfigError, match=r"data.agent.tools and the methods of "
+                                          r"data.agent.environment_factory\['game'\] both define \['move'\]"):
+        AgentSampler(HFGenerateSampler(), Toolbox.of([move]), environments)
+    AgentSampler(HFGenerateSampler(), Toolbox.of([move]), EnvironmentSet(CodingEnv))  # no clash: fine
