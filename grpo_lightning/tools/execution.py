@@ -124,7 +124,7 @@ def _run_sync(call: ToolCall, tool: Tool, arguments: dict[str, Any], timeout_s: 
     if timeout_s is None:
         try:
             value = tool.func(**arguments)
-        except Exception as err:  # the tool's error is the model's feedback
+        except (Exception, asyncio.CancelledError) as err:  # the tool's error is the model's feedback
             return failure(call, _describe(err))
     else:
         box: dict[str, Any] = {}
@@ -162,8 +162,20 @@ async def _run_async_value(awaitable: Any, timeout_s: float | None, name: str) -
         return await asyncio.wait_for(awaitable, timeout_s), None
     except asyncio.TimeoutError:
         return None, f"Tool {name} timed out after {timeout_s} s."
+    except asyncio.CancelledError as err:
+        if _being_cancelled():
+            raise  # the step itself is stopping: let the cancellation through
+        return None, _describe(err)  # the tool's own (a cancelled inner task it awaited): its failure
     except Exception as err:
         return None, _describe(err)
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task was asked to stop (``Task.cancelling``, Python 3.11+; on 3.10 a
+    ``CancelledError`` out of a tool is taken as the tool's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling and cancelling())
 
 
 __all__ = ["ToolResult", "execute_calls", "failure"]

@@ -171,3 +171,32 @@ def test_sync_tools_without_a_timeout_run_on_the_training_thread():
     assert row[0].content == threading.current_thread().name
     (row,) = execute_calls([[ToolCall("where", {})]], [Toolbox.of([where])], timeout_s=5)
     assert row[0].content == "tool-where"
+
+
+async def fetch_page(url: str) -> str:
+    """Fetch a page; its request task gets cancelled (a client's own cancellation).
+
+    Args:
+        url: The address.
+    """
+    request = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_soon(request.cancel)
+    return await request  # raises CancelledError inside the tool
+
+
+def stop_now() -> str:
+    """A sync tool raising CancelledError.
+    """
+    raise asyncio.CancelledError()
+
+
+def test_a_cancelled_error_out_of_a_tool_is_that_tool_s_failure():
+    """A tool's own ``CancelledError`` (a ``BaseException``) fails that call only: the other calls
+    and rows go on, with and without a timeout."""
+    tools = Toolbox.of([fetch_page, stop_now, multiply])
+    calls = [[ToolCall("fetch_page", {"url": "x"}), ToolCall("multiply", {"a": 2, "b": 3})], [ToolCall("stop_now", {})]]
+    for timeout_s in (None, 5.0):
+        first, second = execute_calls(calls, [tools, tools], timeout_s=timeout_s)
+        assert first[0].failed and error(first[0]) == "CancelledError"
+        assert not first[1].failed and first[1].content == "6"
+        assert second[0].failed and error(second[0]) == "CancelledError"
