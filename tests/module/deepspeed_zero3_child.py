@@ -115,6 +115,11 @@ def main(model_dir: str, out_dir: str) -> None:
         with gathered_weights(policy.model.embed_tokens):
             result["writeback_diff"] = float((weight - dense.model.embed_tokens.weight - 1.0).abs().max())
     Path(out_dir, f"zero3_{rank}.json").write_text(json.dumps(result))
+    # Tear the group down before the interpreter does: left to exit, its gloo threads were once
+    # destroyed while joinable ("terminate called without an active exception", SIGABRT) after
+    # both ranks had written their results.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
