@@ -159,3 +159,15 @@ def test_help_works_without_optional_extras(capsys):
     out = capsys.readouterr().out
     assert "--data.num_generations" in out and "--model.loss" in out
     assert "Completions per prompt" in out  # docstrings are the CLI help
+
+
+def test_the_offline_hub_kernel_notice_of_bitsandbytes_is_dropped():
+    import logging
+
+    from grpo_lightning.cli import _drop_hub_kernel_notice
+
+    def record(msg):
+        return logging.LogRecord("bitsandbytes.backends.cpu.ops", logging.WARNING, "ops.py", 1, msg, (), None)
+
+    assert not _drop_hub_kernel_notice(record("Failed to load CPU gemm_4bit_forward from kernels-community: %s."))
+    assert _drop_hub_kernel_notice(record("any other bitsandbytes warning"))

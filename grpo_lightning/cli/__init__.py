@@ -258,6 +258,10 @@ def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[A
     _show_package_logs()
     # Lightning 2.6 against torch >= 2.10 warns on every run from its own code; nothing to act on.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # bitsandbytes (imported through peft by transformers' optimizers) tries to fetch an optional
+    # CPU 4-bit kernel from the hub on AVX512-BF16 CPUs and logs "Failed to load ..." on every run
+    # without internet, quantized or not; it falls back to its own kernel.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_hub_kernel_notice)
     return GRPOLightningCLI(
         GRPOModule,
         RolloutDataModule,
@@ -269,6 +273,10 @@ def run_cli(args: list[str] | dict[str, Any] | None = None, *, callbacks: list[A
         auto_configure_optimizers=False,
         objects=objects,
     )
+
+
+def _drop_hub_kernel_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
 
 
 def main(args: list[str] | None = None) -> None:
