@@ -41,12 +41,13 @@ def spawn_two_ranks(fn: Callable[[int], list[str]]) -> None:
     mp.spawn(_rank_main, args=(fn, int(sys.argv[1]), sys.argv[2]), nprocs=2)
 
 
-def run_two_ranks(child: Path, out_dir: Path) -> None:
-    """Run ``child`` (a script ending in :func:`spawn_two_ranks`) and assert both ranks say "ok"."""
+def run_two_ranks(child: Path, out_dir: Path, *args: str) -> None:
+    """Run ``child`` (a script ending in :func:`spawn_two_ranks`; ``args`` follow its PORT and
+    OUT_DIR) and assert both ranks say "ok"."""
     from tests.helpers import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, str(child), str(free_port()), str(out_dir)], capture_output=True,
+    result = subprocess.run([sys.executable, str(child), str(free_port()), str(out_dir), *args], capture_output=True,
                             text=True, timeout=300, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-6000:]
     for rank in (0, 1):

@@ -173,6 +173,9 @@ class AgentSampler(Sampler):
     def push_weights(self, handle: PolicyHandle, version: int) -> None:
         self.inner.push_weights(handle, version)
 
+    def lockstep_calls(self, count: int) -> int:
+        return self.inner.lockstep_calls(count)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -245,7 +248,9 @@ class AgentSampler(Sampler):
         active = [e for e in episodes if e.wants_tools]
         limit = self.max_tool_calling_iterations
         rounds = 0
-        while active and (limit is None or rounds < limit):
+        # Ranks sharing an engine (vLLM TP) go round for round together until none has an active
+        # rollout: a rank with fewer generation calls pads with empty ones (lockstep_calls).
+        while self.inner.lockstep_calls(int(bool(active) and (limit is None or rounds < limit))):
             results = execute_calls([e.last_turn.tool_calls for e in active], [e.toolbox for e in active],  # type: ignore[union-attr]
                                     self.tool_timeout_s)
             continuing = []
@@ -258,15 +263,15 @@ class AgentSampler(Sampler):
                     continuing.append(episode)
                     if images is None:
                         self._note_images(episode)
-            if not continuing:
-                break
             lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in continuing]
             room = [budget - len(e.completion_ids) for e in continuing]
             if context:  # and what is left of the context
                 room = [min(r, context - length) for r, length in zip(room, lengths)]
-            for rows, longest in generation_calls(lengths, room, context):
-                calls = [continuing[i] for i in rows]
-                turns = generate(self._contexts(calls), 1, replace(params, max_completion_length=longest))
+            calls = generation_calls(lengths, room, context) if continuing else []
+            for call in range(self.inner.lockstep_calls(len(calls))):
+                rows, longest = calls[call] if call < len(calls) else ([], 1)
+                turns = generate(self._contexts([continuing[i] for i in rows]), 1,
+                                 replace(params, max_completion_length=longest))
                 for i, rollout in zip(rows, turns):
                     self._add_turn(continuing[i], rollout, room[i])
             active = [e for e in continuing if e.wants_tools]

@@ -63,6 +63,12 @@ class Sampler(ABC):
         server's ``max_model_len``); ``None`` when only the model's own context bounds it."""
         return None
 
+    def lockstep_calls(self, count: int) -> int:
+        """How many ``generate`` calls this rank makes when it needs ``count``: more where ranks
+        share one engine (vLLM colocated with tensor parallelism), whose calls are collectives
+        every rank of the group must join; a rank pads with calls of no prompts. ``count`` here."""
+        return count
+
     @property
     def served_version(self) -> int | None:
         """The policy version (optimizer step) whose weights ``generate`` samples from; ``None``

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -26,7 +27,9 @@ from grpo_lightning.samplers.vllm_common import (
     distributed_rank_and_world, engine_prompt, engine_prompt_logprobs, image_token_id, import_vllm, policy_weights,
     sampling_params,
 )
-from grpo_lightning.samplers.vllm_launch import set_launcher_env, tensor_parallel_group
+from grpo_lightning.samplers.vllm_launch import (
+    GroupRequest, default_group_kept, gather_group_requests, group_max, set_launcher_env, tensor_parallel_group,
+)
 from grpo_lightning.samplers.weight_probe import (
     WeightProbe, WeightSyncError, checksums, coarser_dtype, first_differing_parameter, run_with_deadline,
 )
@@ -163,15 +166,16 @@ class VLLMColocateSampler(Sampler):
             raise RuntimeError("VLLMColocateSampler has no engine: weights are pushed (and the engine started) by "
                                "the WeightSync callback before the first generation.")
         version = self.served_version
+        rows = [(list(p), getattr(p, "images", None)) for p in prompts]  # (ids, raw images of an image prompt)
+        group, requests, mine = self._gather_group(rows, num_generations, params)
+        group_rows = [ids for ids, _ in group]
+        if not group:  # no rank of the group has prompts in this call (a tool loop's padding call)
+            return []
         if self._asleep:
             with handle.generation_context():
                 self._sync(handle, version, wake=True)
-        rows = [(list(p), getattr(p, "images", None)) for p in prompts]  # (ids, raw images of an image prompt)
-        group, mine = self._gather_group(rows)
-        group_rows = [ids for ids, _ in group]
-        sampling = sampling_params(params, handle.eos_token_ids, self.structured_outputs_regex, logprobs=0,
-                                   n=num_generations)
         try:
+            sampling = self._request_sampling(requests)
             image_token = image_token_id(handle) if any(images for _, images in group) else None
             outputs = self.llm.generate([engine_prompt(ids, images, image_token) for ids, images in group], sampling,
                                         use_tqdm=False)
@@ -200,15 +204,18 @@ class VLLMColocateSampler(Sampler):
         if llm is not None:
             from vllm.distributed import parallel_state
 
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            finally:
-                parallel_state.destroy_model_parallel()
-                if self._owns_process_group:
-                    parallel_state.destroy_distributed_environment()
-                elif parallel_state._WORLD is not None:  # keep the trainer's default group
-                    parallel_state._WORLD.destroy()
-                    parallel_state._WORLD = None
+            # The engine's shutdown tears vLLM's distributed state down, the default process group
+            # included: under a trainer's group (external_launcher) that one is kept.
+            with nullcontext() if self._owns_process_group else default_group_kept():
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                finally:
+                    parallel_state.destroy_model_parallel()
+                    if self._owns_process_group:
+                        parallel_state.destroy_distributed_environment()
+                    elif parallel_state._WORLD is not None:
+                        parallel_state._WORLD.destroy()
+                        parallel_state._WORLD = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -340,17 +347,31 @@ class VLLMColocateSampler(Sampler):
             return first_differing_parameter(weights, engine, dtype)
 
     # ------------------------------------------------------------------ tensor parallel
-    def _gather_group(self, rows: list[Any]) -> tuple[list[Any], range]:
-        """All prompts of this rank's TP group (every rank of a group must send the engine the
-        same requests), and which of them are this rank's."""
+    def lockstep_calls(self, count: int) -> int:
+        """The most ``generate`` calls any rank of this TP group makes (each call is a collective
+        of the group's ranks, who must all send the shared engine the same requests)."""
+        return count if self._tp_group is None else group_max(self._tp_group, count)
+
+    def _gather_group(self, rows: list[Any], num_generations: int, params: GenerationParams
+                      ) -> tuple[list[Any], list[GroupRequest], range]:
+        """All prompts of this rank's TP group, each rank's request, and which prompts are this
+        rank's (:func:`gather_group_requests`)."""
         if self._tp_group is None:
-            return rows, range(len(rows))
-        group, members = self._tp_group
-        gathered: list[Any] = [None] * len(members)
-        torch.distributed.all_gather_object(gathered, rows, group=group)
-        position = members.index(torch.distributed.get_rank())
-        start = sum(len(g) for g in gathered[:position])
-        return [r for g in gathered for r in g], range(start, start + len(rows))
+            return rows, [GroupRequest(num_generations, params, len(rows))], range(len(rows))
+        return gather_group_requests(self._tp_group, rows, num_generations, params)
+
+    def _request_sampling(self, requests: list[GroupRequest]) -> Any:
+        """vLLM's sampling parameters for the group's prompts: one ``SamplingParams`` when every
+        rank asks the same, else one per prompt (each rank's for its own prompts)."""
+        eos = self.handle.eos_token_ids
+
+        def of(request: GroupRequest) -> Any:
+            return sampling_params(request.params, eos, self.structured_outputs_regex, logprobs=0,
+                                   n=request.num_generations)
+
+        if all(r.same_sampling(requests[0]) for r in requests):
+            return of(requests[0])
+        return [sp for r in requests for sp in [of(r)] * r.num_prompts]
 
 
 def _trainer(handle: PolicyHandle) -> Any:

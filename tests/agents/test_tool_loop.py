@@ -221,3 +221,15 @@ def test_multimodal_tool_result_reaches_the_next_turn_as_content_blocks(qwen):
     # A text-only model reads the text blocks of the result.
     tool_text = tokenizer.decode([t for t, m in zip(rollout.completion_ids, rollout.tool_mask) if m == 0])
     assert "<tool_response>\nHere is the screenshot.\n</tool_response>" in tool_text
+
+
+def test_ranks_sharing_an_engine_run_the_tool_loop_in_lockstep(shared_assets, tmp_path, monkeypatch):
+    """vLLM colocated with tensor parallelism: every generate call is a collective of the ranks
+    sharing the engine. A rank whose rollouts stop calling tools earlier pads with empty calls
+    instead of leaving the loop (which left the other rank waiting in the engine's gather)."""
+    from pathlib import Path
+
+    from tests.gloo_ranks import run_two_ranks
+
+    monkeypatch.setenv("GRPO_SHARED_ASSETS", str(shared_assets))
+    run_two_ranks(Path(__file__).with_name("lockstep_child.py"), tmp_path)

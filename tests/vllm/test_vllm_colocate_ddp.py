@@ -53,3 +53,11 @@ def test_two_ddp_ranks_train_on_policy_with_colocated_engines(model_dir, tmp_pat
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # step 1 sampled the weights of step 1 on both ranks
     tokens = [m.value for m in client.get_metric_history(run.info.run_id, "num_tokens")]
     assert tokens[0] >= 2 * 8 * 4  # both ranks' rows counted
+
+
+def test_ranks_sharing_an_engine_may_ask_for_different_requests(model_dir, tmp_path):
+    """The tool loop's ranks ask the TP-shared engine for other lengths, or for nothing, in the
+    same call: each rank gets its own completions at its own length; an empty call returns none."""
+    from tests.gloo_ranks import run_two_ranks
+
+    run_two_ranks(Path(__file__).with_name("tp2_requests_child.py"), tmp_path, model_dir)
