@@ -30,6 +30,7 @@ from grpo_lightning.module.peft_models import drop_quantization_state, export_po
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
 from grpo_lightning.module.step_gradients import StepGradients
+from grpo_lightning.module.resumed_checkpoints import ResumedCheckpoints
 from grpo_lightning.module.step_logging import FlushStepLogs, log_evaluation
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
@@ -305,7 +306,8 @@ class GRPOModule(pl.LightningModule):
             log_evaluation(self, windows)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [FlushStepLogs(self._metrics)]  # logs the training metrics, ahead of the checkpoints
+        # the training metrics are logged ahead of the checkpoints; a resume does not re-save its step
+        return [FlushStepLogs(self._metrics), ResumedCheckpoints()]
 
     # --------------------------------------------------- the end of an optimizer step
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
