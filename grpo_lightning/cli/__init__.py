@@ -24,7 +24,7 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from grpo_lightning.cli.checkpoints import (
-    forget_previous_run, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
+    continue_recorded_run, forget_previous_run, place_checkpoints, read_run_record, resolve_ckpt_path, write_run_record,
 )
 from grpo_lightning.cli.devices import check_accelerator
 from grpo_lightning.cli.error_context import component_key, with_setting
@@ -173,6 +173,8 @@ class GRPOLightningCLI(LightningCLI):
 
                 kwargs["logger"] = DummyLogger()
         trainer = super().instantiate_trainer(**kwargs)
+        if "logger" not in kwargs and self.subcommand == "fit" and config.get("ckpt_path"):
+            continue_recorded_run(trainer.loggers, read_run_record(config.trainer.default_root_dir or os.getcwd()))
         _current_trainer.set(trainer)
         return trainer
 

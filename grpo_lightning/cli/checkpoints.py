@@ -188,7 +188,23 @@ def read_run_record(root_dir: str) -> dict[str, str] | None:
         return json.load(f)
 
 
+def continue_recorded_run(loggers: list[Any], record: dict[str, str] | None) -> None:
+    """A resume continues the MLflow run of ``record`` (``run.json``) in a configured
+    ``MLFlowLogger`` too (``trainer.logger`` in the YAML): one that logs to the same store and
+    experiment and names no run of its own, which would otherwise start a second run."""
+    if not record:
+        return
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    for logger in loggers:
+        if (isinstance(logger, MLFlowLogger) and logger._run_id is None
+                and logger._tracking_uri == record.get("tracking_uri")
+                and logger._experiment_name == record.get("experiment_name")):
+            logger._run_id = record["mlflow_run_id"]  # as MLFlowLogger(run_id=...) sets it
+
+
 __all__ = [
-    "CHECKPOINT_DIR", "CheckpointOnException", "checkpoint_dir", "default_checkpoints", "forget_previous_run", "is_complete", "place_checkpoints", "read_run_record",
-    "resolve_ckpt_path", "write_run_record",
+    "CHECKPOINT_DIR", "CheckpointOnException", "checkpoint_dir", "continue_recorded_run", "default_checkpoints",
+    "forget_previous_run", "is_complete", "place_checkpoints", "read_run_record", "resolve_ckpt_path",
+    "write_run_record",
 ]

@@ -148,3 +148,32 @@ def test_a_resumed_run_links_last_to_its_newest_checkpoint(tmp_path):
     assert sorted(os.listdir(folder)) == ["last.ckpt", "step=0000002.ckpt", "step=0000003.ckpt", "step=0000004.ckpt"]
     assert os.readlink(os.path.join(folder, "last.ckpt")) == "step=0000004.ckpt"
     assert resolve_ckpt_path("last", str(tmp_path)) == os.path.join(folder, "step=0000004.ckpt")
+
+
+def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
+    """``trainer.logger: MLFlowLogger`` in the YAML (not the default logger): the resumed run logs
+    into the run it resumes, not into a second one."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from grpo_lightning.cli import main
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    config = {
+        "trainer": {"accelerator": "cpu", "default_root_dir": str(tmp_path), "log_every_n_steps": 1,
+                    "enable_progress_bar": False,
+                    "logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                               "init_args": {"experiment_name": "grpo", "tracking_uri": store}}},
+        "model": {"model": make_model_dir(tmp_path / "m"), "learning_rate": 1e-2, "save_final_model": False},
+        "data": {"dataset": write_prompts(tmp_path / "p.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
+                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4}},
+        "checkpoint_every_n_steps": 1,
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(path), "--trainer.max_steps", "2"])
+    main(["fit", "--config", str(path), "--trainer.max_steps", "3", "--ckpt_path", "last"])
+    client = MlflowClient(store)
+    runs = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    assert len(runs) == 1
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
