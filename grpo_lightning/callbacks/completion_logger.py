@@ -80,6 +80,10 @@ class CompletionLogger(pl.Callback):
         if stage == "fit" and self.hub is not None and trainer.is_global_zero:
             log.info("Completions go to the Hub dataset %s.", self.hub.create())
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a resumed run's restored step was logged before its checkpoint was written
+        self._last_logged_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step

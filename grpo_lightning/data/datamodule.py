@@ -21,7 +21,7 @@ from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_s
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
-    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan,
+    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan, table_from_state, table_state,
 )
 from grpo_lightning.data.collective import trainer_collective
 from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
@@ -384,7 +384,8 @@ class RolloutDataModule(pl.LightningDataModule):
         mine = rank_state(self._buffer_key, self._buffer)
         ranks = trainer_collective(lambda: self.trainer).gather_objects([mine])
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
-                "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None}
+                "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
+                "completion_table": table_state(self.completion_table)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_same_plan(state_dict.get("plan"), self.run_plan)
@@ -393,6 +394,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
             self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))
         self._buffer_key, self._buffer = None, []
+        self.completion_table = table_from_state(state_dict.get("completion_table"))
         if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
             self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")

@@ -27,7 +27,7 @@ import torch
 
 from grpo_lightning.data.prompt_order import PromptOrder
 from grpo_lightning.errors import ConfigError
-from grpo_lightning.types import RolloutBatch
+from grpo_lightning.types import CompletionTable, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,33 @@ def batch_from_state(state: Mapping[str, Any], device: torch.device | str) -> Ro
     return RolloutBatch(**values)
 
 
+def table_state(table: CompletionTable | None) -> dict[str, Any] | None:
+    """The completion table of the generation batch being replayed, for a checkpoint: a resume
+    inside that batch still logs its completions (``CompletionLogger``). Only columns of plain
+    values (text, numbers, chat messages) are kept, as ``torch.load(weights_only=True)`` reads
+    them back; a column of other objects (a VLM's images) is left out."""
+    if table is None:
+        return None
+    return {"step": table.step, "columns": {name: list(values) for name, values in table.columns.items()
+                                            if all(_plain(v) for v in values)}}
+
+
+def table_from_state(state: Mapping[str, Any] | None) -> CompletionTable | None:
+    return None if state is None else CompletionTable(int(state["step"]), {k: list(v) for k, v in state["columns"].items()})
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
 __all__ = [
     "PLAN_DEFAULTS", "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
-    "restore_rank_state", "restore_rng", "resumed_prompt_order", "rng_snapshot", "run_plan",
+    "restore_rank_state", "restore_rng", "resumed_prompt_order", "rng_snapshot", "run_plan", "table_from_state",
+    "table_state",
 ]

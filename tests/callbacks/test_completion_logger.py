@@ -211,3 +211,41 @@ def test_a_fit_prints_the_table_and_pushes_its_rows(tmp_path, monkeypatch, capsy
     rows = hub.pushes[-1][2]
     assert {"prompt", "completion", "reward/length_reward", "advantage"} <= set(rows.columns)
     assert (rows["reward/length_reward"] == rows["completion"].str.len()).all()  # the rows the rewards scored
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_run_resumed_inside_a_generation_batch_still_logs_its_completions(tmp_path, accumulate):
+    """``num_iterations: 2``: steps 1 and 2 train on one generation batch. Resumed from step 1's
+    checkpoint, the run replays that batch from the checkpoint and logs step 2's table, the one
+    a run that never stopped logs; step 1 is not logged again."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from grpo_lightning.data import RolloutDataModule
+    from grpo_lightning.module import GRPOModule
+    from grpo_lightning.types import GenerationParams
+    from tests.helpers import make_model_dir, write_prompts
+
+    model, prompts = make_model_dir(tmp_path / "m"), write_prompts(tmp_path / "p.jsonl")
+
+    def fit(run, max_steps, ckpt_path=None):
+        data = RolloutDataModule(prompts, reward_funcs=["tests.helpers.length_reward"], num_generations=4,
+                                 per_device_train_batch_size=8, num_iterations=2, seed=5,
+                                 generation=GenerationParams(max_completion_length=3))
+        callbacks = [CompletionLogger(every_n_steps=1, num_completions_to_print=0),
+                     ModelCheckpoint(dirpath=tmp_path / run / "ckpt", every_n_train_steps=1, save_top_k=-1,
+                                     filename="{step}")]
+        trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path / run), callbacks=callbacks,
+                             accumulate_grad_batches=accumulate)
+        pl.seed_everything(0)
+        trainer.fit(GRPOModule(model, save_final_model=False), data, ckpt_path=ckpt_path)
+        return tmp_path / run / "completions"
+
+    straight = fit("straight", 2)
+    fit("resumed", 1)
+    (tmp_path / "resumed" / "completions" / "completions_00001.parquet").unlink()  # what the resume writes, below
+    resumed = fit("resumed", 2, ckpt_path=str(tmp_path / "resumed" / "ckpt" / "step=1.ckpt"))
+    assert sorted(p.name for p in resumed.iterdir()) == ["completions_00002.parquet"]
+    pd.testing.assert_frame_equal(pd.read_parquet(resumed / "completions_00002.parquet"),
+                                  pd.read_parquet(straight / "completions_00002.parquet"))
