@@ -15,13 +15,13 @@ from torch.utils.data import DataLoader
 from grpo_lightning.algo.importance import ImportanceSamplingCorrection
 from grpo_lightning.data.agent_wiring import AgentSettings, environment_prompt, wire_agent
 from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
-from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, isolated_rng
+from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, eval_step_seed, isolated_rng
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
-    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, run_plan, table_from_state, table_state,
+    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, rng_snapshot, run_plan, table_from_state, table_state,
 )
 from grpo_lightning.data.collective import trainer_collective
 from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
@@ -213,6 +213,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._buffer: list[RolloutBatch] = []
         self.run_plan: dict[str, Any] = {}  # what a resumed run must not change (resume_state.PLAN_KEYS)
         self._resume_rank_state: dict[str, Any] | None = None  # applied before the next training generation
+        self._rng_before_generation: dict[str, Any] | None = None  # set while a training generation runs
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, stage: str) -> None:
@@ -325,8 +326,11 @@ class RolloutDataModule(pl.LightningDataModule):
         key = (ref.epoch, ref.generation)
         fresh = key != self._buffer_key
         if fresh:
+            # Until the generation is done, a checkpoint (on_exception: a sampler or reward
+            # failed) holds the RNG as it was before it: the resumed run draws the same numbers.
+            self._rng_before_generation = rng_snapshot()
             self._buffer = self._generate(ref)
-            self._buffer_key = key
+            self._buffer_key, self._rng_before_generation = key, None
         batch = self._buffer[ref.micro_index]
         if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
@@ -343,9 +347,9 @@ class RolloutDataModule(pl.LightningDataModule):
         rows = self._rows(row_ids, dataset)
         state = build_trainer_state(self.trainer, self.micro_steps_done, self.schedule)
         order_seed = self.prompt_order.seed if self.prompt_order is not None else data_seed(self.seed)
-        set_index = list(self.eval_datasets).index(ref.name)
-        with isolated_rng(shuffle_seed(order_seed, self.trainer.global_rank, self.trainer.global_step,
-                                       10_000 + 1_000 * set_index + ref.step)):  # apart from training's seeds
+        seed = eval_step_seed(order_seed, self.trainer.global_rank, self.trainer.global_step,
+                              list(self.eval_datasets).index(ref.name), ref.step)
+        with isolated_rng(seed):
             built = self.eval_builders[ref.name].build(rows, row_ids, None, trainer_state=state, counts=counts)
         prefix = f"eval_{ref.name}_" if ref.name else "eval_"
         return replace(built.micro_batches[0], metric_prefix=prefix, accumulation_steps=1)
@@ -381,7 +385,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """The prompt position and data plan, and each rank's RNG streams and generation buffer
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
-        mine = rank_state(self._buffer_key, self._buffer)
+        mine = rank_state(self._buffer_key, self._buffer, self._rng_before_generation)
         ranks = trainer_collective(lambda: self.trainer).gather_objects([mine])
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
                 "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,

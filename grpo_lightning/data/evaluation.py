@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import IterableDataset
 
+from grpo_lightning.data.prompt_order import shuffle_seed
+
 
 @dataclass(unsafe_hash=True)  # not frozen: see MicroStepRef
 class EvalRef:
@@ -103,6 +105,12 @@ def isolated_rng(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
+
+
+def eval_step_seed(order_seed: int, rank: int, global_step: int, set_index: int, eval_step: int) -> int:
+    """The seed of one validation step's sampling (:func:`isolated_rng`): reproducible per (data
+    seed, rank, optimizer step, evaluation set, step), apart from every training shuffle seed."""
+    return shuffle_seed(order_seed, rank, global_step, 10_000 + 1_000 * set_index + eval_step)
 
 
 def eval_sources(eval_dataset: str | dict[str, str] | None, dataset_config: str | None, eval_split: str,

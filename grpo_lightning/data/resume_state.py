@@ -94,9 +94,11 @@ def resumed_prompt_order(order: PromptOrder, saved_seed: int | None) -> PromptOr
     return PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved_seed)
 
 
-def rank_state(buffer_key: tuple[int, int] | None, buffer: Sequence[RolloutBatch]) -> dict[str, Any]:
-    """This rank's part of a checkpoint: its RNG streams and its generation buffer."""
-    return {"rng": rng_snapshot(), "buffer_key": buffer_key,
+def rank_state(buffer_key: tuple[int, int] | None, buffer: Sequence[RolloutBatch],
+               rng: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's part of a checkpoint: its RNG streams (``rng``, a :func:`rng_snapshot`, in
+    place of the live ones when given) and its generation buffer."""
+    return {"rng": rng if rng is not None else rng_snapshot(), "buffer_key": buffer_key,
             "buffer": [batch_state(b) for b in buffer] if buffer_key is not None else []}
 
 

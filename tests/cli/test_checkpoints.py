@@ -177,3 +177,51 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     assert len(runs) == 1
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
+
+
+class FailOnce:
+    """A length reward that raises once, at its ``fail_at``-th call (a judge that timed out)."""
+
+    __name__ = "length_reward"
+
+    def __init__(self, fail_at: int | None) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def __call__(self, completions, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("judge unavailable (simulated)")
+        return length_reward(completions, **kwargs)
+
+
+def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_it(tmp_path):
+    """The failure happens while step 3 samples: ``on_exception.ckpt`` holds the RNG as it was
+    before that generation (not what the failed sampling left), so the resume samples step 3 as
+    a run that never failed does: the same rewards at every step."""
+
+    class Rewards(pl.Callback):
+        def __init__(self):
+            self.by_step = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.by_step[trainer.global_step] = pl_module.step_metrics["reward"]
+
+    def fit(root, reward, ckpt_path=None):
+        record = Rewards()
+        trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(root),
+                             callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
+        data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[reward], num_generations=4,
+                                 per_device_train_batch_size=8, seed=1,
+                                 generation=GenerationParams(max_completion_length=6))
+        pl.seed_everything(0)
+        trainer.fit(GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=5e-2, save_final_model=False), data,
+                    ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+        return record.by_step
+
+    straight = fit(tmp_path / "straight", FailOnce(None))
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "failed", FailOnce(3))
+    resumed = fit(tmp_path / "failed", FailOnce(None), "last")
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
