@@ -54,10 +54,21 @@ def log_evaluation(module: pl.LightningModule, windows: dict[str, MetricsWindow]
 
 class FlushStepLogs(pl.Callback):
     """Times the micro-batches of a step and logs ``metrics`` (TRL's averages since the last log)
-    every ``trainer.log_every_n_steps`` optimizer steps, when training stops and at an epoch's end."""
+    every ``trainer.log_every_n_steps`` optimizer steps, and (``flush_at_boundaries``, the default)
+    when training stops and at an epoch's end.
 
-    def __init__(self, metrics: TrainingMetrics) -> None:
+    Args:
+        metrics: The module's training metrics.
+        flush_at_boundaries: Also log when training stops and at each epoch's end, so that no step
+            goes unlogged (``grpo fit``). ``False`` logs at multiples of ``log_every_n_steps`` only,
+            the window carrying over an epoch's end into the next log, as transformers' ``Trainer``
+            does with ``logging_strategy="steps"`` (``GRPOTrainer`` turns it off:
+            ``grpo_lightning.trl_compat.flow.TRLStepFlow``).
+    """
+
+    def __init__(self, metrics: TrainingMetrics, flush_at_boundaries: bool = True) -> None:
         self.metrics = metrics
+        self.flush_at_boundaries = flush_at_boundaries
         self.last_global_step = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -71,11 +82,16 @@ class FlushStepLogs(pl.Callback):
             self.metrics.seconds += time.perf_counter() - self.metrics.batch_started
             return
         self.last_global_step = trainer.global_step
-        if trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop:
+        if trainer.global_step % trainer.log_every_n_steps == 0 or (self.flush_at_boundaries and trainer.should_stop):
             self.flush(trainer, fractional_epoch(trainer, batch_idx))
+        elif self.flush_at_boundaries and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and self.metrics:
+            # the epoch's end, logged here rather than in on_train_epoch_end: before this step's
+            # checkpoint (Lightning runs ModelCheckpoint last), which must not carry these metrics
+            # into a resumed run's next log
+            self.flush(trainer, trainer.current_epoch + 1.0)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self.metrics:
+        if self.flush_at_boundaries and self.metrics:
             self.flush(trainer, trainer.current_epoch + 1.0)
 
     def flush(self, trainer: pl.Trainer, epoch: float) -> None:

@@ -5,7 +5,9 @@ with ``step``, as ``Trainer.state.log_history``) and calls the HF callbacks it h
 hooks that match their events (``EVENTS``), with a ``transformers.TrainerState`` kept current and a
 ``TrainerControl`` whose ``should_training_stop`` stops the run (``trainer.should_stop``). A callback
 that implements an event without a Lightning equivalent (``UNSUPPORTED``) is refused before
-training, naming the event.
+training, naming the event. ``add_callback`` / ``pop_callback`` / ``remove_callback`` change the list
+as transformers' ``CallbackHandler`` does; ``log_logs`` is transformers' ``Trainer.log``; the
+end-of-training summary is transformers' (``run_state``).
 
 In YAML (``grpo fit``)::
 
@@ -28,8 +30,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers.logger import Logger
 
 from grpo_lightning.errors import ConfigError
-from grpo_lightning.module.step_logging import fractional_epoch
+from grpo_lightning.module.step_logging import FlushStepLogs, fractional_epoch
 from grpo_lightning.rewards.loading import import_dotted_path
+from grpo_lightning.trl_compat import run_state
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ UNSUPPORTED = {
     "on_predict": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
     "on_prediction_step": "there is no prediction loop (evaluation generates and scores: on_evaluate)",
 }
+#: Step-log keys transformers' own step log adds, which TRL's metrics window does not hold: TRL's
+#: end-of-training summary (which takes in the window since the last log) has none of them.
+NOT_IN_TRL_WINDOW = ("loss", "grad_norm", "learning_rate")
 
 
 def implemented_events(callback: Any) -> list[str]:
@@ -122,19 +128,21 @@ class TrainerCallbacks(pl.Callback):
     """
 
     def __init__(self, callbacks: list[Any] | None = None, args: dict[str, Any] | None = None) -> None:
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
         from grpo_lightning.trl_compat.config import GRPOConfig
 
+        self._from_class: set[int] = set()  # ids of the callbacks built here from a class (YAML names the class)
         self.callbacks = [self._build(c, i) for i, c in enumerate(callbacks or [])]
         self.args = args if isinstance(args, GRPOConfig) else GRPOConfig(**(args or {}))
         #: One dict per log: the logged metrics, ``epoch`` and ``step`` (HF's ``state.log_history``).
         self.log_history: list[dict[str, Any]] = []
         self.step_losses: list[float] = []
-        self.state: Any = None
-        self.control: Any = None
-        if self.callbacks:
-            from transformers.trainer_callback import TrainerControl, TrainerState
-
-            self.state, self.control = TrainerState(log_history=self.log_history), TrainerControl()
+        # Always there, callbacks or not: GRPOTrainer.state is this object (its log_history is ours).
+        self.state: Any = TrainerState(log_history=self.log_history)
+        self.control: Any = TrainerControl()
+        #: The end-of-training summary of the last ``fit`` (``TrainOutput.metrics`` plus ``step``).
+        self.train_summary: dict[str, Any] = {}
         self._trainer: Any = None
         self._module: Any = None
         self._initialised = False
@@ -143,14 +151,54 @@ class TrainerCallbacks(pl.Callback):
         self._epoch = 0.0  # fractional, as transformers counts: epochs done + this epoch's share of batches
         self._eval_logs: dict[str, float] = {}
         self._started = 0.0
+        self._first_step = 0
+        self._max_steps: int | None = None
+        self._num_train_epochs: int | float | None = None
+        self._num_train_samples = 0.0
         self._warned: set[str] = set()
 
-    @staticmethod
-    def _build(callback: Any, i: int) -> Any:
+    def _build(self, callback: Any, i: int) -> Any:
         if isinstance(callback, str):
             callback = import_dotted_path(callback)
         check_callback(callback, f"callbacks[{i}]")
-        return callback() if inspect.isclass(callback) else callback
+        if not inspect.isclass(callback):
+            return callback
+        built = callback()
+        self._from_class.add(id(built))
+        return built
+
+    # ------------------------------------------------------------------ the callback list (transformers' semantics)
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (a class is built without arguments), refusing unsupported events as the
+        constructor does; a second one of a class already there is added with a warning, as in HF."""
+        built = self._build(callback, len(self.callbacks))
+        if type(built) in {type(c) for c in self.callbacks}:
+            log.warning("You are adding a %s to the callbacks, but there is already one. The current list of "
+                        "callbacks is: %s", type(built).__name__, ", ".join(type(c).__name__ for c in self.callbacks))
+        self.callbacks.append(built)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return the first callback of class ``callback`` (or that instance); ``None`` if
+        there is none."""
+        for existing in self.callbacks:
+            if isinstance(existing, callback) if inspect.isclass(callback) else existing == callback:
+                self.callbacks.remove(existing)
+                self._from_class.discard(id(existing))
+                return existing
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove the first callback of class ``callback``, or that instance (``ValueError`` when the
+        instance is not there, as ``list.remove`` raises in HF)."""
+        if inspect.isclass(callback):
+            self.pop_callback(callback)
+            return
+        self.callbacks.remove(callback)
+        self._from_class.discard(id(callback))
+
+    def sources(self) -> list[Any]:
+        """Each callback as it is written to YAML: its class where it was given as a class, else the instance."""
+        return [type(c) if id(c) in self._from_class else c for c in self.callbacks]
 
     @property
     def state_key(self) -> str:
@@ -166,8 +214,13 @@ class TrainerCallbacks(pl.Callback):
             self._fire("on_init_end")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._started = time.perf_counter()
-        self._last_step = trainer.global_step
+        self._started = time.time()  # speed_metrics measures wall-clock time from here
+        self._last_step = self._first_step = trainer.global_step
+        # The run's length as transformers works it out before its first step (epochs: the steps they amount to).
+        self._max_steps = run_state.planned_steps(trainer)
+        self._num_train_epochs = run_state.num_train_epochs(trainer, self.args, self._max_steps)
+        self._num_train_samples = run_state.num_train_samples(trainer, self.args, self._max_steps)
+        self.control.should_training_stop = False  # as HF's CallbackHandler.on_train_begin
         self._fire("on_train_begin")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,12 +258,26 @@ class TrainerCallbacks(pl.Callback):
         self._fire("on_save")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime = time.perf_counter() - self._started
-        summary = {"train_runtime": runtime, "train_steps_per_second": trainer.global_step / runtime if runtime else 0.0,
-                   "train_loss": sum(self.step_losses) / len(self.step_losses) if self.step_losses else float("nan"),
-                   "epoch": self.epoch, "step": trainer.global_step}
-        self.log_history.append(summary)
+        # transformers' _finalize_training: the summary goes through Trainer.log (log_history, on_log),
+        # then on_train_end.
+        loss = sum(self.step_losses) / len(self.step_losses) if self.step_losses else float("nan")
+        summary = run_state.train_summary(self._started, trainer.global_step - self._first_step, self._max_steps,
+                                          self._num_train_samples, loss)
+        summary.update(self._unlogged_window(trainer))
+        self.log_logs(summary)
+        self.train_summary = self.log_history[-1]
         self._fire("on_train_end")
+
+    @staticmethod
+    def _unlogged_window(trainer: pl.Trainer) -> dict[str, float]:
+        """The metrics gathered since the last step log (the steps after the last multiple of
+        ``logging_steps``), which TRL's ``log`` puts into the summary: TRL averages its metrics
+        window into every log, the summary included. Empty when the run ended on a log."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, FlushStepLogs) and callback.metrics:
+                window = callback.metrics.flush_log()
+                return {k: v for k, v in window.items() if k not in NOT_IN_TRL_WINDOW}
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"log_history": list(self.log_history), "step_losses": list(self.step_losses)}
@@ -223,6 +290,16 @@ class TrainerCallbacks(pl.Callback):
     @property
     def epoch(self) -> float:
         return float(self._epoch)
+
+    def log_logs(self, logs: dict[str, float]) -> None:
+        """transformers' ``Trainer.log``: ``logs`` (with ``epoch`` added, when known) appended to
+        ``log_history`` with ``step``, and ``on_log`` called with it. (Not named ``log``: Lightning
+        sets every callback's ``log`` to the module's ``log`` when a run starts.)"""
+        self._sync_state()
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        self.log_history.append({**logs, "step": self.state.global_step})
+        self._fire("on_log", logs=logs)
 
     def record(self, metrics: dict[str, float], step: int | None) -> None:
         """One ``log_metrics`` call: appended to ``log_history``; ``on_log`` is called with it."""
@@ -238,9 +315,9 @@ class TrainerCallbacks(pl.Callback):
 
     # ------------------------------------------------------------------ HF events
     def _fire(self, event: str, step_offset: int = 0, **kwargs: Any) -> None:
+        self._sync_state(step_offset)  # trainer.state is kept current with or without callbacks
         if not self.callbacks:
             return
-        self._sync_state(step_offset)
         extra = self._objects()
         for callback in self.callbacks:
             handler = getattr(callback, event, None)
@@ -257,13 +334,17 @@ class TrainerCallbacks(pl.Callback):
 
     def _sync_state(self, step_offset: int = 0) -> None:
         state, trainer, args = self.state, self._trainer, self.args
-        state.logging_steps, state.eval_steps, state.save_steps = args.logging_steps, args.eval_steps, args.save_steps
-        state.train_batch_size, state.num_train_epochs = args.per_device_train_batch_size, args.num_train_epochs
+        if trainer is not None and self._max_steps is None and trainer.max_steps and trainer.max_steps > 0:
+            self._max_steps = trainer.max_steps  # before training (on_init_end): what max_steps says
+        if self._max_steps is not None:
+            state.max_steps = self._max_steps
+        state.logging_steps, state.eval_steps, state.save_steps = (
+            run_state.absolute_steps(v, self._max_steps) for v in (args.logging_steps, args.eval_steps, args.save_steps))
+        state.train_batch_size = args.per_device_train_batch_size
+        state.num_train_epochs = self._num_train_epochs if self._num_train_epochs is not None else args.num_train_epochs
         if trainer is None:
             return
         state.global_step, state.epoch = trainer.global_step + step_offset, self.epoch
-        if trainer.max_steps and trainer.max_steps > 0:
-            state.max_steps = trainer.max_steps
         state.is_world_process_zero = trainer.is_global_zero
         state.is_local_process_zero = trainer.local_rank == 0
 

@@ -46,13 +46,15 @@ def model_card(folder: str, trainer: Any, *, model_name: str | None = None, data
 
 
 def upload(folder: str, args: Any, *, commit_message: str | None, blocking: bool, token: str | None,
-           revision: str | None) -> Any:
-    """Create the repository (if needed) and upload ``folder``: the commit info, or a ``Future`` when
-    not ``blocking``."""
+           revision: str | None, private: bool | None = None) -> Any:
+    """Create the repository (if needed; private when ``private``, else as ``args.hub_private_repo``
+    says, as transformers decides) and upload ``folder``: the commit info, or a ``Future`` when not
+    ``blocking``."""
     from huggingface_hub import create_repo, upload_folder
 
     token = token or args.hub_token
-    url = create_repo(repo_id(args), token=token, private=args.hub_private_repo, exist_ok=True)
+    private = private if private is not None else args.hub_private_repo
+    url = create_repo(repo_id(args), token=token, private=private, exist_ok=True)
     return upload_folder(
         repo_id=getattr(url, "repo_id", repo_id(args)), folder_path=folder, commit_message=commit_message or "Upload",
         token=token, revision=revision or args.hub_revision, run_as_future=not blocking,

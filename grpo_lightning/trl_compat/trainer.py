@@ -98,7 +98,6 @@ class GRPOTrainer:
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
             optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config, tools=tools,
             rollout_func=rollout_func, environment_factory=environment_factory, require_data=require_data)
-        self._yaml_callbacks = _callbacks_spec(hf_callbacks, args) if hf_callbacks else None
         self._cli: Any = None
 
     # ------------------------------------------------------------------ the config
@@ -113,9 +112,11 @@ class GRPOTrainer:
         import yaml
 
         config = yaml_config(self._plan.config)
-        if self._yaml_callbacks is not None:  # the HF callbacks run in memory (callback_handler); in YAML:
+        hf_callbacks = self.callback_handler.sources()  # as they are now (add_callback, pop_callback, ...)
+        if hf_callbacks:  # the HF callbacks run in memory (callback_handler); in YAML:
             trainer = config.setdefault("trainer", {})
-            trainer["callbacks"] = [*(trainer.get("callbacks") or []), *yaml_config([self._yaml_callbacks])]
+            spec = _callbacks_spec(hf_callbacks, self.args)
+            trainer["callbacks"] = [*(trainer.get("callbacks") or []), *yaml_config([spec])]
         text = yaml.safe_dump(config, sort_keys=False)
         if path is not None:
             with open(path, "w") as f:
@@ -145,8 +146,8 @@ class GRPOTrainer:
         losses_before = len(self.callback_handler.step_losses)
         cli = self._run("fit", config, objects)
         losses = self.callback_handler.step_losses[losses_before:]
-        summary = self.callback_handler.log_history[-1] if self.callback_handler.log_history else {}
-        metrics = {k: v for k, v in summary.items() if k.startswith("train_") or k == "epoch"}
+        # HF returns the dict it logged at the end (Trainer.log added epoch to it): the summary, less step.
+        metrics = {k: v for k, v in self.callback_handler.train_summary.items() if k != "step"}
         return TrainOutput(cli.trainer.global_step, sum(losses) / len(losses) if losses else float("nan"), metrics)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
@@ -188,19 +189,64 @@ class GRPOTrainer:
             self.push_to_hub(commit_message="Model save")
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **kwargs: Any) -> Any:
         """Save the model to ``<output_dir>/final_model`` with a model card and upload that folder to
-        ``args.hub_model_id`` (default: the output folder's name) with ``huggingface_hub``."""
+        ``args.hub_model_id`` (default: the output folder's name) with ``huggingface_hub``; a new
+        repository is private when ``private`` is ``True`` (``None``: ``args.hub_private_repo``)."""
         folder = os.path.join(self.args.output_dir, "final_model")
         self.save_model(folder, _internal_call=True)  # every rank: the export is collective
-        if self._cli is not None and not self._cli.trainer.is_global_zero:
+        if not self.is_world_process_zero():
             return None
         model_card(folder, self, **kwargs)
         self.callback_handler.push_begin()
         return upload(folder, self.args, commit_message=commit_message, blocking=blocking, token=token,
-                      revision=revision)
+                      revision=revision, private=private)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """Write the model card (``README.md``) to ``args.output_dir``, on the main process only (as TRL)."""
+        if self.is_world_process_zero():
+            model_card(self.args.output_dir, self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    # ------------------------------------------------------------------ callbacks and logs (transformers' API)
+    def add_callback(self, callback: Any) -> None:
+        """Add an HF ``TrainerCallback`` (a class is built without arguments) for the next run."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return the first HF callback of class ``callback`` (or that instance), or ``None``."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove the first HF callback of class ``callback``, or that instance."""
+        self.callback_handler.remove_callback(callback)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Record ``logs`` in ``log_history`` (with ``epoch`` and ``step``) and call ``on_log`` with them.
+        They go to the HF callbacks, not to the Lightning loggers (those log the run's own metrics)."""
+        self.callback_handler.log_logs(logs)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the global main process (the Lightning trainer's rank once it runs; before,
+        ``args.process_index``: ``RANK`` from the launcher)."""
+        if self._cli is not None:
+            return bool(self._cli.trainer.is_global_zero)
+        return self.args.process_index == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its node."""
+        if self._cli is not None:
+            return self._cli.trainer.local_rank == 0
+        return self.args.local_process_index == 0
 
     # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> Any:
+        """The ``transformers.TrainerState`` the callbacks see (``global_step``, ``epoch``, ``max_steps``,
+        ``log_history``, ...), kept current during a run."""
+        return self.callback_handler.state
+
     @property
     def log_history(self) -> list[dict[str, Any]]:
         """One dict per log (the step's metrics, ``epoch``, ``step``), as ``trainer.state.log_history``."""

@@ -39,15 +39,16 @@ class CheckpointSeesLoggedSteps(ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
 
 
-def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None, lr_scheduler_type="constant"):
+def _fit(tmp_path, *, max_steps, log_every, ckpt_path=None, lr_scheduler_type="constant", num_rows=24):
     tmp_path.mkdir(exist_ok=True)
     logger = MemoryLogger()
     checkpoint = CheckpointSeesLoggedSteps(logger, dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                            filename="{step}")
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, log_every_n_steps=log_every,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint])
-    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
-                             per_device_train_batch_size=8, seed=3, generation=GenerationParams(max_completion_length=4))
+    data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl", num_rows=num_rows), reward_funcs=[length_reward],
+                             num_generations=4, per_device_train_batch_size=8, seed=3,
+                             generation=GenerationParams(max_completion_length=4))
     pl.seed_everything(0)
     # constant: the run stopped at step 3 follows the same schedule as the one that goes on to 4
     module = GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=1e-2, lr_scheduler_type=lr_scheduler_type,
@@ -72,6 +73,19 @@ def test_a_resume_between_two_logs_logs_the_same_averages(tmp_path):
         if name == "step_time":  # wall time: differs from run to run
             continue
         assert got[name] == value, (name, {k: (got[k], v) for k, v in want.items() if got[k] != v})
+
+
+def test_a_resume_from_an_epochs_last_step_logs_the_same_averages(tmp_path):
+    """3-step epochs, a log every 2 steps: step 3 ends an epoch, which logs what is left of its
+    window before the step's checkpoint is written; the resumed run does not log step 3 again
+    inside step 4's average."""
+    straight, _ = _fit(tmp_path / "a", max_steps=4, log_every=2, num_rows=6)
+    _fit(tmp_path / "b", max_steps=3, log_every=2, num_rows=6)
+    resumed, _ = _fit(tmp_path / "b", max_steps=4, log_every=2, num_rows=6,
+                      ckpt_path=str(tmp_path / "b" / "ckpt" / "step=3.ckpt"))
+    assert [step for step, _ in straight.rows] == [2, 3, 4]
+    want, got = dict(straight.rows)[4], dict(resumed.rows)[4]
+    assert {k: v for k, v in got.items() if k != "step_time"} == {k: v for k, v in want.items() if k != "step_time"}
 
 
 def test_a_log_holds_the_last_steps_grad_norm_and_learning_rate_and_the_mean_loss(tmp_path):

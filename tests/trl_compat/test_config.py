@@ -189,8 +189,8 @@ def test_unknown_names_get_the_closest_field():
         GRPOConfig(learning_rat=1e-5)
     with pytest.raises(TypeError, match=r"'num_generation'\. Did you mean 'num_generations'.*'bta'\. Did you mean 'beta'"):
         GRPOConfig(num_generation=4, bta=0.1)
-    with pytest.raises(TypeError, match=r"the seed's GRPOConfig calls it 'gradient_checkpointing'"):
-        GRPOConfig(activation_checkpointing=True)
+    with pytest.raises(TypeError, match=r"the seed's GRPOConfig calls it 'eval_strategy'"):
+        GRPOConfig(evaluation_strategy="steps")
     with pytest.raises(TypeError, match=r"no field 'zzz'\. See dataclasses.fields\(GRPOConfig\)"):
         GRPOConfig(zzz=1)
 

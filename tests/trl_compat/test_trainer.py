@@ -79,7 +79,8 @@ def test_train_evaluate_save_and_push(tiny_model, prompts, tmp_path, monkeypatch
     assert output.global_step == 2
     assert output.training_loss == pytest.approx(sum(e["loss"] for e in steps) / 2)
     assert trainer.log_history[-1]["train_loss"] == pytest.approx(output.training_loss)
-    assert events.logs[-2:] == [{k: v for k, v in e.items() if k != "step"} for e in steps]
+    assert events.logs[-3:-1] == [{k: v for k, v in e.items() if k != "step"} for e in steps]
+    assert events.logs[-1]["train_loss"] == pytest.approx(output.training_loss)  # the summary: on_log too, as HF
 
     names = [name for name, _ in events.events]
     assert names[0] == "on_init_end" and names.count("on_init_end") == 1  # once, at the first setup (evaluate)

@@ -1,0 +1,60 @@
+"""``TRLStepFlow``: the parts of transformers' ``DefaultFlowCallback`` that a ``grpo fit`` run does
+otherwise, for the runs ``GRPOTrainer`` builds (``convert.convert_config`` puts it in their ``trainer.callbacks``,
+so ``grpo fit`` of their YAML file does the same).
+
+* **Step logs** happen at multiples of ``logging_steps`` only (``logging_strategy="steps"``): the
+  module's ``FlushStepLogs`` also logs when training stops and at each epoch's end, which transformers
+  does not; here that is turned off, and the metrics gathered since the last log carry over into the
+  next one (across an epoch's end), or into the end-of-training summary (``TrainerCallbacks``).
+* **A final evaluation** with ``eval_strategy="steps"``: transformers evaluates once more at the last
+  step when it is not an evaluation step (``DefaultFlowCallback.on_step_end``). Lightning validates
+  at a step when training is asked to stop there (``trainer.should_stop``, as early stopping does),
+  and only once whether or not the step is a ``val_check_interval`` step, so the last step asks it.
+
+In YAML::
+
+    trainer:
+      callbacks:
+        - class_path: grpo_lightning.trl_compat.flow.TRLStepFlow
+          init_args: {evaluate_at_end: true}
+
+Layer L7 (trl_compat).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from grpo_lightning.module.step_logging import FlushStepLogs
+from grpo_lightning.trl_compat.run_state import planned_steps
+
+
+class TRLStepFlow(pl.Callback):
+    """Step logs at multiples of ``log_every_n_steps`` only, and (``evaluate_at_end``) an evaluation
+    at the last optimizer step, as transformers' ``Trainer`` does.
+
+    Args:
+        evaluate_at_end: Validate at the last step of the run even when it is not a
+            ``val_check_interval`` step (``eval_strategy="steps"`` with an evaluation set).
+    """
+
+    def __init__(self, evaluate_at_end: bool = False) -> None:
+        self.evaluate_at_end = evaluate_at_end
+        self._last_step: int | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The module's callbacks are attached before setup: FlushStepLogs is in the list now.
+        for callback in trainer.callbacks:
+            if isinstance(callback, FlushStepLogs):
+                callback.flush_at_boundaries = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = planned_steps(trainer) if self.evaluate_at_end else None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._last_step is not None and trainer.global_step >= self._last_step:
+            # The run ends after this step anyway; asking it to stop makes Lightning validate here (once).
+            trainer.should_stop = True
