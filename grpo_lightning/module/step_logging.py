@@ -64,11 +64,13 @@ class FlushStepLogs(pl.Callback):
             the window carrying over an epoch's end into the next log, as transformers' ``Trainer``
             does with ``logging_strategy="steps"`` (``GRPOTrainer`` turns it off:
             ``grpo_lightning.trl_compat.flow.TRLStepFlow``).
+        log_first_step: Also log the first optimizer step (transformers' ``logging_first_step``).
     """
 
-    def __init__(self, metrics: TrainingMetrics, flush_at_boundaries: bool = True) -> None:
+    def __init__(self, metrics: TrainingMetrics, flush_at_boundaries: bool = True, log_first_step: bool = False) -> None:
         self.metrics = metrics
         self.flush_at_boundaries = flush_at_boundaries
+        self.log_first_step = log_first_step
         self.last_global_step = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -82,7 +84,8 @@ class FlushStepLogs(pl.Callback):
             self.metrics.seconds += time.perf_counter() - self.metrics.batch_started
             return
         self.last_global_step = trainer.global_step
-        if trainer.global_step % trainer.log_every_n_steps == 0 or (self.flush_at_boundaries and trainer.should_stop):
+        if (trainer.global_step % trainer.log_every_n_steps == 0 or (self.flush_at_boundaries and trainer.should_stop)
+                or (self.log_first_step and trainer.global_step == 1)):
             self.flush(trainer, fractional_epoch(trainer, batch_idx))
         elif self.flush_at_boundaries and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and self.metrics:
             # the epoch's end, logged here rather than in on_train_epoch_end: before this step's

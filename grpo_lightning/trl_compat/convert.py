@@ -22,10 +22,11 @@ from grpo_lightning.trl_compat.convert_training import Context
 from grpo_lightning.trl_compat.field_map import not_applicable_reason
 
 CONVERTERS = {**convert_training.CONVERTERS, **convert_grpo.CONVERTERS}
-CONVERTED: frozenset[str] = frozenset(name for names in CONVERTERS.values() for name in names)
 #: The callback every run gets: step logs and the final evaluation as transformers' DefaultFlowCallback
-#: has them (named by path: this module imports the standard library only).
+#: has them (named by path: this module imports the standard library only), and the fields it reads.
 FLOW_CALLBACK = "grpo_lightning.trl_compat.flow.TRLStepFlow"
+FLOW_FIELDS = ("logging_first_step",)
+CONVERTED: frozenset[str] = frozenset(name for names in CONVERTERS.values() for name in names) | set(FLOW_FIELDS)
 #: Fields ``GRPOTrainer`` itself reads (``save_model`` / ``push_to_hub``), not the YAML file.
 FACADE_FIELDS = ("push_to_hub", "hub_token", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
                  "resume_from_checkpoint")
@@ -58,7 +59,8 @@ def convert_config(config: Any, builder: ConfigBuilder, ctx: Context) -> None:
         converter(config, builder, ctx)
     # Last, so the converters' callbacks keep their places: transformers' flow of logs and evaluations.
     evaluate_at_end = config.eval_strategy == "steps" and ctx.has_eval_dataset
-    builder.append("trainer.callbacks", {"class_path": FLOW_CALLBACK, "init_args": {"evaluate_at_end": evaluate_at_end}})
+    builder.append("trainer.callbacks", {"class_path": FLOW_CALLBACK, "init_args": {
+        "evaluate_at_end": evaluate_at_end, "log_first_step": bool(config.logging_first_step)}})
     defaults = _defaults()
     for f in fields(config):
         reason = not_applicable_reason(f.name)

@@ -64,7 +64,7 @@ FIELD_TO_YAML: dict[str, str] = {
     "auto_find_batch_size": NOT_APPLICABLE + "refused by GRPO (groups would be split)",
     "logging_strategy": "trainer.log_every_n_steps",
     "logging_steps": "trainer.log_every_n_steps",
-    "logging_first_step": NOT_APPLICABLE + "Lightning logs at multiples of trainer.log_every_n_steps",
+    "logging_first_step": "trainer.callbacks",  # TRLStepFlow(log_first_step=...)
     "log_on_each_node": NOT_APPLICABLE + "loggers write from global rank 0",
     "logging_nan_inf_filter": NOT_APPLICABLE + "logged values are exact means (NaN stays visible)",
     "include_num_input_tokens_seen": NOT_APPLICABLE + "num_tokens (prompt + completion tokens) is always logged",

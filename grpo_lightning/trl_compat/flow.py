@@ -38,10 +38,12 @@ class TRLStepFlow(pl.Callback):
     Args:
         evaluate_at_end: Validate at the last step of the run even when it is not a
             ``val_check_interval`` step (``eval_strategy="steps"`` with an evaluation set).
+        log_first_step: Also log the first optimizer step (``logging_first_step``).
     """
 
-    def __init__(self, evaluate_at_end: bool = False) -> None:
+    def __init__(self, evaluate_at_end: bool = False, log_first_step: bool = False) -> None:
         self.evaluate_at_end = evaluate_at_end
+        self.log_first_step = log_first_step
         self._last_step: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -49,6 +51,7 @@ class TRLStepFlow(pl.Callback):
         for callback in trainer.callbacks:
             if isinstance(callback, FlushStepLogs):
                 callback.flush_at_boundaries = False
+                callback.log_first_step = self.log_first_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = planned_steps(trainer) if self.evaluate_at_end else None

@@ -266,7 +266,8 @@ def test_hf_callback_classes_go_into_the_yaml_file(fit_parser, tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), logging_steps=2)
     config = yaml.safe_load(config_to_yaml(args, model="org/model", callbacks=[StopAfterFirstStep]))
     flow, entry = config["trainer"]["callbacks"]  # every run's TRLStepFlow, then the HF callbacks
-    assert flow == {"class_path": "grpo_lightning.trl_compat.flow.TRLStepFlow", "init_args": {"evaluate_at_end": False}}
+    assert flow == {"class_path": "grpo_lightning.trl_compat.flow.TRLStepFlow",
+                    "init_args": {"evaluate_at_end": False, "log_first_step": False}}
     assert entry == {"class_path": "grpo_lightning.trl_compat.callbacks.TrainerCallbacks", "init_args": {
         "callbacks": ["tests.trl_compat.rewards.StopAfterFirstStep"], "args": {"output_dir": str(tmp_path),
                                                                             "logging_steps": 2}}}

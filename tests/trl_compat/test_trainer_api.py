@@ -149,3 +149,17 @@ def test_flush_step_logs_at_multiples_only_carries_the_window_over_an_epoch_end(
     flush = FlushStepLogs(TrainingMetrics(), flush_at_boundaries=False)
     assert _run_steps(flush, rewards, steps_per_epoch=2, stop_at=7) == [(3, 2.0), (6, 5.0)]
     assert flush.metrics.flush_log() == {"reward": 7.0}  # step 7: for the end-of-training summary
+    # logging_first_step=True: step 1 is logged too, then the window starts afresh
+    first = FlushStepLogs(TrainingMetrics(), flush_at_boundaries=False, log_first_step=True)
+    assert _run_steps(first, rewards, steps_per_epoch=2, stop_at=7) == [(1, 1.0), (3, 2.5), (6, 5.0)]
+
+
+def test_logging_first_step_reaches_the_flow_callback(tmp_path):
+    import yaml
+
+    from grpo_lightning import config_to_yaml
+
+    config = yaml.safe_load(config_to_yaml(GRPOConfig(output_dir=str(tmp_path), logging_first_step=True),
+                                           model="m", train_dataset="d.jsonl", reward_funcs=["m.r"]))
+    (flow,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("TRLStepFlow")]
+    assert flow["init_args"] == {"evaluate_at_end": False, "log_first_step": True}
