@@ -153,6 +153,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
+    @property
+    def counted_rows(self) -> int:
+        """The rows that count in metrics (all but the evaluation repeats of ``counted``)."""
+        return len(self) if self.counted is None else int(self.counted.sum())
+
     def to(self, device: torch.device | str) -> "RolloutBatch":
         moved = {
             f.name: getattr(self, f.name).to(device)

@@ -267,7 +267,7 @@ class AgentSampler(Sampler):
             room = [budget - len(e.completion_ids) for e in continuing]
             if context:  # and what is left of the context
                 room = [min(r, context - length) for r, length in zip(room, lengths)]
-            calls = generation_calls(lengths, room, context) if continuing else []
+            calls = generation_calls(lengths, room, context)
             for call in range(self.inner.lockstep_calls(len(calls))):
                 rows, longest = calls[call] if call < len(calls) else ([], 1)
                 turns = generate(self._contexts([continuing[i] for i in rows]), 1,

@@ -16,12 +16,13 @@ from grpo_lightning.algo.importance import ImportanceSamplingCorrection
 from grpo_lightning.data.agent_wiring import AgentSettings, environment_prompt, wire_agent
 from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, eval_step_seed, isolated_rng
+from grpo_lightning.data.generation_buffer import GenerationBuffer
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.prompt_format import format_row
 from grpo_lightning.data.resume_state import (
-    check_same_plan, rank_state, restore_rank_state, resumed_prompt_order, rng_snapshot, run_plan, table_from_state, table_state,
+    check_same_plan, resumed_prompt_order, run_plan, table_from_state, table_state,
 )
 from grpo_lightning.data.collective import trainer_collective
 from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
@@ -209,11 +210,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.prompt_order: PromptOrder | None = None
         self.micro_steps_done = 0  # micro-steps actually trained (not prefetched): the resume point
         self.num_tokens = 0
-        self._buffer_key: tuple[int, int] | None = None
-        self._buffer: list[RolloutBatch] = []
+        self.buffer = GenerationBuffer()
         self.run_plan: dict[str, Any] = {}  # what a resumed run must not change (resume_state.PLAN_KEYS)
-        self._resume_rank_state: dict[str, Any] | None = None  # applied before the next training generation
-        self._rng_before_generation: dict[str, Any] | None = None  # set while a training generation runs
 
     # ------------------------------------------------------------------------------ setup
     def setup(self, stage: str) -> None:
@@ -320,18 +318,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def micro_batch(self, ref: MicroStepRef) -> RolloutBatch:
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
-        if self._resume_rank_state is not None:  # the first generation after a resume
-            state, self._resume_rank_state = self._resume_rank_state, None
-            self._buffer_key, self._buffer = restore_rank_state(state, self.trainer.strategy.root_device)
-        key = (ref.epoch, ref.generation)
-        fresh = key != self._buffer_key
-        if fresh:
-            # Until the generation is done, a checkpoint (on_exception: a sampler or reward
-            # failed) holds the RNG as it was before it: the resumed run draws the same numbers.
-            self._rng_before_generation = rng_snapshot()
-            self._buffer = self._generate(ref)
-            self._buffer_key, self._rng_before_generation = key, None
-        batch = self._buffer[ref.micro_index]
+        batches, fresh = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
+                                                 self.trainer.strategy.root_device)
+        batch = batches[ref.micro_index]
         if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
@@ -385,8 +374,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """The prompt position and data plan, and each rank's RNG streams and generation buffer
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
-        mine = rank_state(self._buffer_key, self._buffer, self._rng_before_generation)
-        ranks = trainer_collective(lambda: self.trainer).gather_objects([mine])
+        ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state()])
         return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
                 "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}
@@ -397,10 +385,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.num_tokens = int(state_dict["num_tokens"])
         if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
             self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))
-        self._buffer_key, self._buffer = None, []
         self.completion_table = table_from_state(state_dict.get("completion_table"))
         if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
             self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")
-        self._resume_rank_state = ranks[self.trainer.global_rank] if ranks else None
+        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None)
 

@@ -20,7 +20,7 @@ from grpo_lightning.module.entropy_selection import EntropyWindow, check_top_ent
 from grpo_lightning.module.fit_end_release import TrainingStateRelease
 from grpo_lightning.module.forward import ForwardOptions, completion_logprobs
 from grpo_lightning.module.gradients import clip_gradients_, step_grad_norm
-from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values
+from grpo_lightning.module.metrics import MetricsWindow, TrainingMetrics, reduce_metric_values, world_row_mean
 from grpo_lightning.module.model_building import ModelSettings, build_models, data_parallel_mesh
 from grpo_lightning.module.model_checks import check_architecture_settings
 from grpo_lightning.module.model_info import read_model_info
@@ -29,8 +29,8 @@ from grpo_lightning.module.optimizer_settings import build_optimizer, check_opti
 from grpo_lightning.module.peft_models import drop_quantization_state, export_policy, reference_scope
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
-from grpo_lightning.module.step_gradients import StepGradients
 from grpo_lightning.module.resumed_checkpoints import ResumedCheckpoints
+from grpo_lightning.module.step_gradients import StepGradients
 from grpo_lightning.module.step_logging import FlushStepLogs, log_evaluation
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
@@ -290,15 +290,11 @@ class GRPOModule(pl.LightningModule):
         (the loss in evaluation form: on-policy, a window of one micro-step)."""
         out = self._policy_loss(batch, None)
         window = self._eval_windows.setdefault(batch.metric_prefix, MetricsWindow())
+        reduce = self._all_reduce if self.trainer.world_size > 1 else None
         window.add(batch.generation_metrics)
-        window.add(reduce_metric_values(out.metrics, self._all_reduce if self.trainer.world_size > 1 else None))
-        counted = len(batch) if batch.counted is None else batch.counted.sum()
-        rows = torch.as_tensor(counted, dtype=torch.float32, device=self.device).reshape(1)
-        loss_and_rows = torch.cat([out.loss.detach().float().reshape(1) * rows, rows])  # (2,)
-        if self.trainer.world_size > 1:
-            loss_and_rows = self._all_reduce(loss_and_rows, "sum")
-        loss_sum, total_rows = loss_and_rows.tolist()
-        window.add({"loss": loss_sum / total_rows}, weight=total_rows)  # HF's eval_loss: a mean over rows
+        window.add(reduce_metric_values(out.metrics, reduce))
+        loss, rows = world_row_mean(out.loss, batch.counted_rows, reduce)
+        window.add({"loss": loss}, weight=rows)  # HF's eval_loss: a mean over rows, not over steps
 
     def on_validation_epoch_end(self) -> None:
         windows, self._eval_windows = self._eval_windows, {}

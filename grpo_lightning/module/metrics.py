@@ -50,6 +50,16 @@ def reduce_metric_values(metrics: dict[Hashable, MetricValue], all_reduce: AllRe
     return out
 
 
+def world_row_mean(value: torch.Tensor, rows: int, all_reduce: AllReduce | None) -> tuple[float, float]:
+    """The mean over all ranks' rows of a per-rank mean ``value`` over ``rows`` rows, and the
+    rows of all ranks (one collective)."""
+    stacked = torch.stack([value.detach().float().reshape(()) * rows, value.new_tensor(float(rows)).float()])  # (2,)
+    if all_reduce is not None:
+        stacked = all_reduce(stacked, "sum")
+    total, count = stacked.tolist()
+    return total / count, count
+
+
 class MetricsWindow:
     """Collects metric values between two logging events; a value may carry a weight (the rows it
     covers: ``eval_loss`` is HF's per-row mean, not a mean over evaluation steps)."""

@@ -117,9 +117,9 @@ def train_one_step(model_dir: str, prompts: str, loss, layout: Layout, root: str
                          accumulate_grad_batches=layout.steps, default_root_dir=root,
                          callbacks=[PerturbReference()], **trainer_kwargs)
     trainer.fit(module, data)
-    assert len(data._buffer) == layout.steps, "one generation batch must be exactly one optimizer step"
+    assert len(data.buffer.batches) == layout.steps, "one generation batch must be exactly one optimizer step"
     weights = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
-    batches = data._buffer
+    batches = data.buffer.batches
     completions = [tuple(ids[mask.bool()].tolist()) for b in batches
                    for ids, mask in zip(b.completion_ids, b.completion_mask)]
     sizes = {"width": max(b.prompt_ids.shape[1] + b.completion_ids.shape[1] for b in batches),

@@ -38,7 +38,7 @@ def one_step(model_dir, prompts, loss, accumulate, tmp_path):
 def completions(data) -> list[tuple[int, ...]]:
     """Every completion of the buffered generation batch, padding removed, in a canonical order."""
     rows = []
-    for batch in data._buffer:
+    for batch in data.buffer.batches:
         rows += [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch.completion_ids, batch.completion_mask)]
     return sorted(rows)
 
@@ -51,13 +51,13 @@ def test_one_micro_batch_equals_two_accumulated(tmp_path, loss):
     initial = [p.detach().clone() for p in built(GRPOModule(model_dir)).policy.parameters()]
     whole, data_whole = one_step(model_dir, prompts, loss, 1, tmp_path)
     split, data_split = one_step(model_dir, prompts, loss, 2, tmp_path)
-    assert len(data_whole._buffer) == 1 and len(data_split._buffer) == 2
+    assert len(data_whole.buffer.batches) == 1 and len(data_split.buffer.batches) == 2
     assert completions(data_whole) == completions(data_split), "the two runs must train on the same samples"
     moved = sum(float((w - i).abs().sum()) for w, i in zip(whole, initial))
     assert moved > 1e-3, "the step did not move the weights: the comparison would be vacuous"
     from transformers import AutoModelForCausalLM
 
-    batches = data_whole._buffer
+    batches = data_whole.buffer.batches
     width = max(b.prompt_ids.shape[1] + b.completion_ids.shape[1] for b in batches)
     tokens = sum(int(b.completion_mask.sum()) for b in batches)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -76,6 +76,6 @@ def test_a_reward_that_never_applies_is_warned_about_and_counted(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="grpo_lightning"):
         trainer.fit(GRPOModule(make_model_dir(tmp_path / "m"), save_final_model=False), data)
     assert "'never_applies' returned None" in caplog.text
-    batch = data._buffer[0]
+    batch = data.buffer.batches[0]
     assert batch.generation_metrics["rewards/never_applies/frac_none"] == 1.0
     assert batch.generation_metrics["frac_reward_none"] == 0.0

@@ -99,7 +99,7 @@ def test_token_budget_parts_take_the_same_step(tmp_path, loss, entropy_coef, pad
     assert moved > 1e-3, "the step did not move the weights: the comparison would be vacuous"
     from transformers import AutoModelForCausalLM
 
-    batches = data._buffer
+    batches = data.buffer.batches
     width = max(b.prompt_ids.shape[1] + b.completion_ids.shape[1] for b in batches)
     tokens = sum(int(b.completion_mask.sum()) for b in batches)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -118,7 +118,7 @@ def test_kl_loss_builds_a_frozen_reference_and_uses_it(assets, tmp_path):
 def test_conversational_prompts_use_the_chat_template(assets, tmp_path):
     _, datamodule, trainer = fit(assets, tmp_path, prompts="chat_prompts", max_steps=1)
     assert trainer.global_step == 1
-    batch = datamodule._buffer[0]
+    batch = datamodule.buffer.batches[0]
     tokenizer = trainer.lightning_module.tokenizer
     text = tokenizer.decode(batch.prompt_ids[0][batch.prompt_mask[0].bool()])
     assert text.startswith("<|user|>") and text.endswith("<|assistant|>")

@@ -28,9 +28,9 @@ def test_the_resumed_step_is_not_saved_again_inside_the_next_window(tmp_path):
     _fit(tmp_path, max_steps=2)
     resumed_from = tmp_path / "ckpt" / "step=2.ckpt"
     before = hashlib.sha256(resumed_from.read_bytes()).hexdigest()
-    micro_steps = torch.load(resumed_from, weights_only=False)["global_step"]
+    step = torch.load(resumed_from, weights_only=False)["global_step"]
     _fit(tmp_path, max_steps=3, ckpt_path=str(resumed_from))
     # Lightning would re-save step=2 at the first micro-step of window 3 (global_step still 2)
     assert hashlib.sha256(resumed_from.read_bytes()).hexdigest() == before
-    assert torch.load(resumed_from, weights_only=False)["global_step"] == micro_steps == 2
+    assert torch.load(resumed_from, weights_only=False)["global_step"] == step == 2
     assert (tmp_path / "ckpt" / "step=3.ckpt").is_file()

@@ -247,7 +247,7 @@ def test_datamodule_setting_reaches_the_metrics_of_a_run(tmp_path):
     finally:
         release.set()
     assert time.perf_counter() - started < 30  # the run went on without waiting for the reward (60 s)
-    metrics = data._buffer[0].generation_metrics
+    metrics = data.buffer.batches[0].generation_metrics
     assert metrics["rewards/sleepy/frac_timeout"] == 1.0 and metrics["rewards/sleepy/frac_none"] == 1.0
     assert "rewards/length_reward/frac_timeout" not in metrics and metrics["frac_reward_none"] == 0.0
     with pytest.raises(ValueError, match="data.reward_timeout_s"):
