@@ -28,7 +28,9 @@ class GenerationParams:
         top_k: Keep the ``top_k`` most likely tokens; 0 disables.
         min_p: Minimum token probability relative to the most likely one; ``None`` disables.
         repetition_penalty: HF/vLLM repetition penalty; 1.0 disables.
-        generation_kwargs: Extra back-end keyword arguments; they override the fields above.
+        generation_kwargs: Extra back-end settings (``GenerationConfig`` / ``SamplingParams`` keys, e.g.
+            ``no_repeat_ngram_size``). Keys that repeat a field above, change the group size or
+            sample greedily are refused at start-up (docs/samplers.md).
     """
 
     max_completion_length: int = 512
@@ -49,6 +51,15 @@ class GenerationParams:
                 f"data.generation.temperature={self.temperature}: it must be > 0 (the training log-probs divide the "
                 "logits by it). For near-greedy sampling use a small value such as 0.01."
             )
+        ranges = (
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]; 1.0 disables it"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0; 0 disables it"),
+            ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1, "in [0, 1], or null to disable it"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0; 1.0 disables it"),
+        )
+        for name, value, valid, rule in ranges:
+            if not valid:
+                raise ValueError(f"data.generation.{name}={value}: it must be {rule}.")
 
 
 @dataclass

@@ -37,7 +37,7 @@ def run_grpo(args, capsys):
 
 @pytest.mark.parametrize("override, message", [
     (["--model.learning_rate", "-1"], "model.learning_rate=-1"),              # the module's own check
-    (["--model.loss", "ppo"], "Unknown loss 'ppo'"),                           # the loss registry
+    (["--model.loss", "ppo"], "model.loss='ppo': unknown loss"),                         # the loss registry
     (["--data.num_generations", "1"], "data.num_generations=1"),               # a data check
     (["--data.dataset", "missing.jsonl"], "missing.jsonl"),                    # a file that is not there
     # checks of settings nested in a union type, which jsonargparse wraps in its union error
@@ -51,6 +51,18 @@ def run_grpo(args, capsys):
     (["--data.sampler", "fast_generate", "--data.sampler.init_args.max_batch_rows", "-3"],
      "error: data.sampler.init_args.max_batch_rows=-3: use a positive number"),
     (["--data.generation.temperature", "-1"], "data.generation.temperature=-1"),
+    (["--data.generation.top_p", "1.5"], "data.generation.top_p=1.5: it must be in (0, 1]"),
+    # generation_kwargs that would sample something other than what the run trains on, or a typo
+    (["--data.generation.generation_kwargs", '{"temperature": 0.5}'], "set data.generation.temperature instead"),
+    (["--data.generation.generation_kwargs", '{"num_return_sequences": 2}'], "data.num_generations"),
+    (["--data.generation.generation_kwargs", '{"tempreature": 0.5}'], "['tempreature'] is not a setting of "
+                                                                       "data.sampler: hf_generate"),
+    # trainer settings Lightning accepts but that train wrongly or fail after the first step
+    (["--trainer.gradient_clip_val", "-1"], "trainer.gradient_clip_val=-1"),
+    (["--trainer.log_every_n_steps", "0"], "trainer.log_every_n_steps=0"),
+    (["--trainer.val_check_interval", "0"], "trainer.val_check_interval=0"),
+    (["--trainer.check_val_every_n_epoch", "0"], "trainer.check_val_every_n_epoch=0"),
+    (["--trainer.limit_train_batches", "0"], "trainer.limit_train_batches=0 trains nothing"),
 ])
 def test_user_errors_print_one_message_without_traceback(config, capsys, override, message):
     code, err = run_grpo(["fit", "--config", str(config), *override], capsys)

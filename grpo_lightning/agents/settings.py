@@ -68,7 +68,10 @@ class AgentSettings:
 
 def resolve_callable(spec: Any, setting: str) -> Callable[..., Any]:
     """A dotted path imported, a callable as is."""
-    obj = import_dotted_path(spec) if isinstance(spec, str) else spec
+    try:
+        obj = import_dotted_path(spec) if isinstance(spec, str) else spec
+    except ValueError as err:
+        raise ConfigError(f"{setting}={spec!r}: {err}") from err
     if not callable(obj):
         raise ConfigError(f"{setting}={spec!r} is not callable.")
     return obj
@@ -77,8 +80,8 @@ def resolve_callable(spec: Any, setting: str) -> Callable[..., Any]:
 def resolve_tools(specs: list[Any]) -> Toolbox:
     """The standalone tools of ``data.agent.tools``, schemas read now (a bad docstring fails at start-up)."""
     tools = []
-    for spec in specs:
-        func = resolve_callable(spec, "data.agent.tools item")
+    for index, spec in enumerate(specs):
+        func = resolve_callable(spec, f"data.agent.tools[{index}]")
         try:
             tools.append(Tool.of(func))
         except ToolSchemaError as err:

@@ -114,6 +114,9 @@ class AgentSampler(Sampler):
         self._warned_images = False
 
     # ------------------------------------------------------------------ lifecycle (delegated)
+    def check_generation(self, params: GenerationParams) -> None:
+        self.inner.check_generation(params)
+
     def bind(self, handle: PolicyHandle) -> None:
         """Bind the inner back-end, then check the chat template and pick the parser (start-up
         checks: a template that cannot drive a tool loop fails here, before any generation)."""

@@ -66,6 +66,9 @@ class ImportanceSamplingCorrection:
             raise ValueError(
                 f"data.importance_sampling: clip_min={self.clip_min} is above clip_max={self.clip_max}."
             )
+        if self.clip_max is not None and self.clip_max <= 0:
+            raise ValueError(f"data.importance_sampling.clip_max={self.clip_max}: ratios are positive; use > 0 "
+                             "(TRL's default is 3.0).")
         if self.clip_min is not None and self.clip_min < 0:
             raise ValueError(f"data.importance_sampling.clip_min={self.clip_min}: ratios are positive; use >= 0.")
 

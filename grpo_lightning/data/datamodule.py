@@ -20,13 +20,15 @@ from grpo_lightning.data.generation_buffer import GenerationBuffer
 from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
-from grpo_lightning.data.prompt_format import format_row
+from grpo_lightning.data.prompt_format import check_completion_fits, check_system_prompt, format_row
 from grpo_lightning.data.resume_state import (
     check_same_plan, resumed_prompt_order, run_plan, table_from_state, table_state,
 )
 from grpo_lightning.data.collective import trainer_collective
 from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
-from grpo_lightning.data.run_summary import check_data_settings, check_sizes, check_training_length, run_summary
+from grpo_lightning.data.run_summary import (
+    check_data_settings, check_sizes, check_trainer_settings, check_training_length, run_summary,
+)
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.data.weight_sync import WeightSync
 from grpo_lightning.rewards.loading import resolve_reward_funcs
@@ -170,6 +172,7 @@ class RolloutDataModule(pl.LightningDataModule):
             chat_template_kwargs=chat_template_kwargs, timeout_s=reward_timeout_s,
         )
         self.sampler = get_sampler(fresh_instance(sampler))
+        self.sampler.check_generation(generation)
         self.dataset_source = dict(
             path_or_name=dataset, name=dataset_config, split=split, data_files=data_files,
             prompt_column=prompt_column, prompt_template=prompt_template, default_prompt=environment_prompt(agent),
@@ -190,7 +193,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.scale_rewards = scale_rewards
         self.multi_objective_aggregation = multi_objective_aggregation
         self.mask_truncated_completions = mask_truncated_completions
-        self.num_generations_eval = num_generations_eval or num_generations
+        self.num_generations_eval = num_generations if num_generations_eval is None else num_generations_eval
         self.per_device_eval_batch_size = per_device_eval_batch_size
         self.eval_sources = eval_sources(eval_dataset, dataset_config, eval_split, prompt_column, prompt_template,
                                          per_device_eval_batch_size, self.num_generations_eval)
@@ -199,6 +202,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.train_dataset, self.eval_datasets = load_prompt_sets(
             self.dataset_source, self.eval_sources, self.rewards.funcs, getattr(self.sampler, "rollout_fields", ())
         )
+        check_system_prompt(system_prompt, prompt_as_chat, [self.train_dataset, *self.eval_datasets.values()])
         self.eval_builders: dict[str, RolloutBuilder] = {}
         #: The latest training generation batch of all ranks, when ``collect_completions`` is on.
         self.completion_table: CompletionTable | None = None
@@ -224,6 +228,7 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         if stage == "validate" and not self.eval_sources:
             raise ValueError("grpo validate needs evaluation prompts: set data.eval_dataset.")
+        check_completion_fits(self.generation.max_completion_length, getattr(handle, "max_context_length", None))
         self.sampler.bind(handle)
         if self.sampler.keeps_own_weights and not any(isinstance(c, WeightSync) for c in self.trainer.callbacks):
             self.trainer.callbacks.append(WeightSync())  # the sampler's copy of the weights follows the policy
@@ -236,6 +241,8 @@ class RolloutDataModule(pl.LightningDataModule):
     def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
         check_training_length(trainer.max_steps, trainer.max_epochs)
+        check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps, trainer.val_check_interval,
+                               trainer.check_val_every_n_epoch, trainer.limit_train_batches)
         plan = plan_generation_batches(
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,
             self.generation_batch_size, self.steps_per_generation, trainer.accumulate_grad_batches,

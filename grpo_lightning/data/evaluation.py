@@ -118,11 +118,23 @@ def eval_sources(eval_dataset: str | dict[str, str] | None, dataset_config: str 
                  num_generations_eval: int) -> dict[str, dict[str, Any]]:
     """The evaluation sets by name (``""`` for a single one) as ``load_prompt_sets`` sources;
     checks that a validation step scores whole groups."""
-    if eval_dataset and (num_generations_eval < 1 or per_device_eval_batch_size % num_generations_eval):
+    if eval_dataset:
+        check_eval_sizes(per_device_eval_batch_size, num_generations_eval)
+    sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
+    return {name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column,
+                       prompt_template=prompt_template) for name, source in sets.items()}
+
+
+def check_eval_sizes(per_device_eval_batch_size: int, num_generations_eval: int) -> None:
+    """A validation step scores whole groups: a positive batch, a multiple of a positive group size."""
+    if num_generations_eval < 1:
+        raise ValueError(f"data.num_generations_eval={num_generations_eval}: it must be at least 1 (null: "
+                         "data.num_generations).")
+    if per_device_eval_batch_size < 1:
+        raise ValueError(f"data.per_device_eval_batch_size={per_device_eval_batch_size}: it must be a positive "
+                         f"multiple of data.num_generations_eval={num_generations_eval}.")
+    if per_device_eval_batch_size % num_generations_eval:
         raise ValueError(
             f"data.per_device_eval_batch_size={per_device_eval_batch_size} is not a multiple of "
             f"data.num_generations_eval={num_generations_eval}: each validation step scores whole groups."
         )
-    sets = eval_dataset if isinstance(eval_dataset, dict) else ({"": eval_dataset} if eval_dataset else {})
-    return {name: dict(path_or_name=source, name=dataset_config, split=eval_split, prompt_column=prompt_column,
-                       prompt_template=prompt_template) for name, source in sets.items()}

@@ -29,6 +29,20 @@ def format_row(row: dict[str, Any], prompt_as_chat: bool, system_prompt: str | N
     return {**row, "prompt": prompt}
 
 
+def check_system_prompt(system_prompt: str | None, prompt_as_chat: bool, datasets: Sequence[Any]) -> None:
+    """Refuse a ``system_prompt`` that no prompt would get: the first row of a set is plain text and
+    ``prompt_as_chat`` is off (a system message goes into conversations only)."""
+    if system_prompt is None or prompt_as_chat:
+        return
+    for dataset in datasets:
+        if dataset is not None and len(dataset) and isinstance(dataset[0]["prompt"], str):
+            raise ValueError(
+                "data.system_prompt is set but the prompts are plain text, which have no place for a system "
+                "message: set data.prompt_as_chat: true to send each as a user turn after it (the model's "
+                "chat template is then applied), or put the instruction into the prompt text."
+            )
+
+
 def tokenize_prompt(
     prompt: str | Sequence[Mapping[str, Any]],
     tokenizer: Any,
@@ -85,6 +99,23 @@ def tokenize_prompt(
     if ids and isinstance(ids[0], list):  # some processors return a batch of one
         ids = ids[0]
     return list(ids)
+
+
+def check_completion_fits(max_completion_length: int, max_context_length: int | None) -> None:
+    """Raise at start-up when no prompt could fit: ``max_completion_length`` alone fills the context.
+
+    >>> check_completion_fits(512, 2048)
+    >>> check_completion_fits(4096, 2048)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: data.generation.max_completion_length=4096 leaves no room for a prompt ...
+    """
+    if max_context_length and max_completion_length >= max_context_length:
+        raise ValueError(
+            f"data.generation.max_completion_length={max_completion_length} leaves no room for a prompt in the "
+            f"model's context of {max_context_length} tokens (max_position_embeddings). Lower it below "
+            f"{max_context_length}, by at least the longest prompt's length."
+        )
 
 
 def check_context_length(

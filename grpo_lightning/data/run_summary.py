@@ -67,6 +67,40 @@ def check_training_length(max_steps: int | None, max_epochs: int | None) -> None
         )
 
 
+def check_trainer_settings(
+    gradient_clip_val: float | None, log_every_n_steps: int | None, val_check_interval: int | float | None,
+    check_val_every_n_epoch: int | None, limit_train_batches: int | float | None,
+) -> None:
+    """Reject trainer settings Lightning accepts but that train wrongly or fail after the first step:
+    a negative clip threshold (clipping to a negative norm flips every gradient: gradient ascent),
+    and intervals of 0 (a division by zero once logging or validation is due; no training at all).
+
+    >>> check_trainer_settings(1.0, 10, None, 1, 1.0)
+    >>> check_trainer_settings(-1.0, 10, None, 1, 1.0)
+    Traceback (most recent call last):
+    ...
+    grpo_lightning.errors.ConfigError: trainer.gradient_clip_val=-1.0: ...
+    """
+    if gradient_clip_val is not None and gradient_clip_val < 0:
+        raise ConfigError(
+            f"trainer.gradient_clip_val={gradient_clip_val}: it must be > 0 (the largest gradient norm or value "
+            "kept), or null / 0 for no clipping. A negative threshold would flip the gradients' sign."
+        )
+    for key, value in (("log_every_n_steps", log_every_n_steps), ("val_check_interval", val_check_interval),
+                       ("check_val_every_n_epoch", check_val_every_n_epoch)):
+        if value is not None and value <= 0:
+            raise ConfigError(
+                f"trainer.{key}={value}: it must be positive (every how many steps or epochs); to turn "
+                f"{'logging' if key == 'log_every_n_steps' else 'validation'} off use "
+                f"{'trainer.logger: false' if key == 'log_every_n_steps' else 'trainer.limit_val_batches: 0'}."
+            )
+    if limit_train_batches is not None and limit_train_batches == 0:
+        raise ConfigError(
+            "trainer.limit_train_batches=0 trains nothing: give a positive number of micro-batches (or a fraction "
+            "of the epoch), or run `grpo validate` to evaluate without training."
+        )
+
+
 def check_data_settings(reward_funcs: Any, num_iterations: int, scale_rewards: Any,
                         multi_objective_aggregation: str) -> None:
     """The datamodule's settings that need no dataset, model or world size."""

@@ -44,8 +44,8 @@ def get_loss(name_or_instance: str | PolicyLoss | type[PolicyLoss], **kwargs: An
         cls = LOSSES.get(name_or_instance)
         if cls is None:
             raise ValueError(
-                f"Unknown loss {name_or_instance!r}. Valid names: {list(LOSSES)}; a config may also give a "
-                "class_path to a PolicyLoss subclass."
+                f"model.loss={name_or_instance!r}: unknown loss. Valid names: {list(LOSSES)}; a config may also "
+                "give a class_path to a PolicyLoss subclass."
             )
         return cls(**kwargs)
     raise TypeError(

@@ -127,7 +127,7 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "loss", "optimizer"] if not isinstance(model, str) else ["loss", "optimizer"])
-        check_optimizer_settings(optimizer, learning_rate, weight_decay, warmup_ratio)
+        check_optimizer_settings(optimizer, learning_rate, weight_decay, warmup_ratio, warmup_steps)
         check_model_sources(model, tokenizer)  # before any weights or tokenizer load
         peft_config, quantization_config = check_adapter_settings(
             model, peft_config, quantization_config, model_init_kwargs=model_init_kwargs, trust_remote_code=trust_remote_code

@@ -114,9 +114,18 @@ def load_policy(
     kwargs = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     kwargs.update(model_init_kwargs or {})
     config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    if getattr(config, "vision_config", None) is not None:  # a vision-language model (Qwen-VL, SmolVLM, ...)
-        return AutoModelForImageTextToText.from_pretrained(model, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    # a vision-language model (Qwen-VL, SmolVLM, ...) or a causal LM
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    try:
+        return auto.from_pretrained(model, **kwargs)
+    except (TypeError, ValueError) as error:
+        if not model_init_kwargs:
+            raise
+        # an unknown argument reaches the model's __init__ (TypeError), a bad value transformers' checks
+        raise ValueError(
+            f"model.model_init_kwargs={model_init_kwargs}: {auto.__name__}.from_pretrained({model!r}) refused "
+            f"them: {error}. Check the names and values (e.g. attn_implementation: sdpa, eager)."
+        ) from error
 
 
 def tokenizer_source(model: "str | Any", tokenizer: str | None) -> "str | Any":

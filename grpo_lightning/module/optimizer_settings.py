@@ -15,19 +15,27 @@ DEFAULT_LEARNING_RATE = 1e-6
 DEFAULT_WEIGHT_DECAY = 0.0
 
 
-def check_optimizer_settings(optimizer: Any, learning_rate: float, weight_decay: float, warmup_ratio: float = 0.0) -> None:
-    """Reject a non-positive learning rate, a warmup ratio outside [0, 1), and
-    ``model.learning_rate`` / ``model.weight_decay`` set together with ``model.optimizer``.
+def check_optimizer_settings(
+    optimizer: Any, learning_rate: float, weight_decay: float, warmup_ratio: float = 0.0, warmup_steps: int = 0
+) -> None:
+    """Reject a non-positive learning rate, a negative weight decay or warm-up, a warmup ratio outside
+    [0, 1), the same in a configured optimizer's ``init_args``, and ``model.learning_rate`` /
+    ``model.weight_decay`` set together with ``model.optimizer``.
 
     They configure the built-in AdamW only; a configured optimizer takes its own ``lr`` and
     ``weight_decay`` from its ``init_args``, so the values would be silently ignored.
     """
     if learning_rate <= 0:
         raise ValueError(f"model.learning_rate={learning_rate}: it must be > 0.")
+    if weight_decay < 0:
+        raise ValueError(f"model.weight_decay={weight_decay}: it must be >= 0 (0 for none).")
     if not 0.0 <= warmup_ratio < 1.0:
         raise ValueError(f"model.warmup_ratio={warmup_ratio}: use a fraction in [0, 1).")
+    if warmup_steps < 0:
+        raise ValueError(f"model.warmup_steps={warmup_steps}: it must be >= 0 (0: model.warmup_ratio decides).")
     if optimizer is None:
         return
+    _check_optimizer_init_args(getattr(optimizer, "keywords", None) or {})
     ignored = [
         f"model.{name}={value}"
         for name, value, default in (
@@ -43,6 +51,16 @@ def check_optimizer_settings(optimizer: Any, learning_rate: float, weight_decay:
             "default AdamW. Give the value in the optimizer's init_args (model.optimizer.init_args.lr, "
             f".weight_decay) and remove {names}."
         )
+
+
+def _check_optimizer_init_args(init_args: dict[str, Any]) -> None:
+    """The configured optimizer's ``lr`` and ``weight_decay`` (the keywords of the factory the CLI
+    builds from ``model.optimizer``), checked now instead of by torch once the model is loaded."""
+    lr, decay = init_args.get("lr"), init_args.get("weight_decay")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr <= 0:
+        raise ValueError(f"model.optimizer.init_args.lr={lr}: it must be > 0.")
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay < 0:
+        raise ValueError(f"model.optimizer.init_args.weight_decay={decay}: it must be >= 0 (0 for none).")
 
 
 def build_optimizer(

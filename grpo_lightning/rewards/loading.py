@@ -157,20 +157,25 @@ def resolve_reward_funcs(
     items = list(funcs)  # type: ignore[arg-type]
     tokenizers = _per_item(processing_classes, len(items))
     resolved: list[RewardFunction] = []
-    for item, tokenizer in zip(items, tokenizers):
+    for index, (item, tokenizer) in enumerate(zip(items, tokenizers)):
         if isinstance(item, RewardFunction):
             resolved.append(item)
             continue
         func: Any = item
+        setting = f"data.reward_funcs[{index}]"
         if isinstance(item, torch.nn.Module):
             func = RewardModel(item, tokenizer, trust_remote_code=trust_remote_code)
         elif isinstance(item, str):
-            func = _resolve_string(
-                item, BUILTIN_REWARDS, tokenizer, model_init_kwargs, trust_remote_code
-            )
+            try:
+                func = _resolve_string(item, BUILTIN_REWARDS, tokenizer, model_init_kwargs, trust_remote_code)
+            except ValueError as err:
+                named = ValueError(f"{setting}={item!r}: {err}")
+                for note in getattr(err, "__notes__", ()):  # a reward model's loading context
+                    named.add_note(note)
+                raise named from err
         if not callable(func):
             raise ValueError(
-                f"reward {item!r} resolved to a {type(func).__name__}, which is not callable; a "
+                f"{setting}: reward {item!r} resolved to a {type(func).__name__}, which is not callable; a "
                 "reward function takes keyword arguments (prompts, completions, completion_ids, "
                 "...) and returns one float per completion."
             )

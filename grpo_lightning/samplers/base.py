@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Sequence
 
+from grpo_lightning.samplers.generation_checks import check_generation_kwargs
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
 
 
@@ -62,6 +63,12 @@ class Sampler(ABC):
         """The longest prompt + completion the back-end itself accepts (a vLLM engine's or
         server's ``max_model_len``); ``None`` when only the model's own context bounds it."""
         return None
+
+    def check_generation(self, params: GenerationParams) -> None:
+        """Refuse, at start-up, ``params`` this back-end cannot sample with as configured (the
+        ``generation_kwargs`` checks of :mod:`~grpo_lightning.samplers.generation_checks`); the
+        datamodule calls it before any model work. Back-ends add the keys they own or know."""
+        check_generation_kwargs(params)
 
     def lockstep_calls(self, count: int) -> int:
         """How many ``generate`` calls this rank makes when it needs ``count``: more where ranks

@@ -12,6 +12,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.samplers.generation_checks import check_hf_generation
 from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
 
@@ -106,6 +107,9 @@ class ContinuousBatchingSampler(Sampler):
         self.keep_cache = keep_cache
         self._manager: Any = None
         self._plan: ManagerPlan | None = None
+
+    def check_generation(self, params: GenerationParams) -> None:
+        check_hf_generation(params, "data.sampler: continuous_batching")
 
     def bind(self, handle: PolicyHandle) -> None:
         check_engine_version()

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.samplers.generation_checks import check_hf_generation
 from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode, image_inputs
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 from grpo_lightning.utils.image_positions import computes_own_positions, prefill_positions
@@ -96,6 +97,9 @@ class FastGenerateSampler(Sampler):
         self.max_batch_rows = max_batch_rows
         self.onednn_head = onednn_head
         self.cache_weight_casts = cache_weight_casts
+
+    def check_generation(self, params: GenerationParams) -> None:
+        check_hf_generation(params, "data.sampler: fast_generate")
 
     def generate(
         self, prompts: Sequence[PromptInput], num_generations: int, params: GenerationParams

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.samplers.generation_checks import check_cache_implementation, check_hf_generation
 from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode, image_inputs
 from grpo_lightning.types import GenerationParams, PromptInput, Rollout
 from grpo_lightning.utils.weight_casts import reused_weight_casts
@@ -58,9 +59,13 @@ class HFGenerateSampler(Sampler):
         super().__init__()
         if max_batch_rows is not None and max_batch_rows < 1:
             raise ValueError(f"max_batch_rows={max_batch_rows}: use a positive number or None.")
+        check_cache_implementation(cache_implementation)
         self.cache_implementation = cache_implementation
         self.max_batch_rows = max_batch_rows
         self.cache_weight_casts = cache_weight_casts
+
+    def check_generation(self, params: GenerationParams) -> None:
+        check_hf_generation(params, "data.sampler: hf_generate")
 
     def generation_config(self, params: GenerationParams) -> Any:
         return build_generation_config(self.handle, params, cache_implementation=self.cache_implementation)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.samplers.generation_checks import check_vllm_generation, vllm_sampling_keys
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
     distributed_rank_and_world, engine_prompt, engine_prompt_logprobs, image_token_id, import_vllm, policy_weights,
@@ -135,6 +136,9 @@ class VLLMColocateSampler(Sampler):
         self._tp_group: Any = None
 
     # ------------------------------------------------------------------ lifecycle
+    def check_generation(self, params: GenerationParams) -> None:
+        check_vllm_generation(params, "data.sampler: vllm_colocate", known=vllm_sampling_keys())
+
     def bind(self, handle: PolicyHandle) -> None:
         """Check the settings against the run before any compute (vLLM installed, TP divides
         the world size); the engine itself starts at the first push."""

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
+from grpo_lightning.samplers.generation_checks import check_vllm_generation
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
     distributed_rank_and_world, engine_prompt, image_token_id, policy_weight_shapes, policy_weights, sampling_fields,
@@ -125,6 +126,10 @@ class VLLMServerSampler(Sampler):
         self.last_push_seconds: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    def check_generation(self, params: GenerationParams) -> None:
+        # The server checks the names of its request fields itself (vLLM need not be installed here).
+        check_vllm_generation(params, "data.sampler: vllm_server", known=None)
+
     def bind(self, handle: PolicyHandle) -> None:
         """Wait for the server and check its configuration (before any training compute)."""
         super().bind(handle)

@@ -131,7 +131,7 @@ def schedule(c: Any, b: ConfigBuilder, ctx: Context) -> None:
 def precision(c: Any, b: ConfigBuilder, ctx: Context) -> None:
     b.set("trainer.precision", "16-mixed" if c.fp16 else "bf16-mixed" if c.bf16 else "32-true")
     b.set("trainer.accumulate_grad_batches", c.gradient_accumulation_steps)
-    b.set("trainer.gradient_clip_val", c.max_grad_norm if c.max_grad_norm else None)
+    b.set("trainer.gradient_clip_val", c.max_grad_norm if c.max_grad_norm and c.max_grad_norm > 0 else None)  # HF: <= 0 skips
     b.set("model.gradient_checkpointing", bool(c.gradient_checkpointing))
     if c.full_determinism:
         b.set("trainer.deterministic", True)

@@ -484,7 +484,7 @@ def test_get_loss_resolution():
     assert get_loss(inst) is inst
     with pytest.raises(ValueError, match="instance"):
         get_loss(inst, beta=1.0)
-    with pytest.raises(ValueError, match=r"Unknown loss 'ppo'.*grpo.*vespo.*class_path"):
+    with pytest.raises(ValueError, match=r"model\.loss='ppo': unknown loss.*grpo.*vespo.*class_path"):
         get_loss("ppo")
     with pytest.raises(TypeError):
         get_loss(3)

@@ -30,3 +30,23 @@ def test_optimizer_with_default_optimizer_settings_is_an_error(model_dir, kwargs
 def test_optimizer_alone_or_settings_alone_are_fine(model_dir):
     GRPOModule(model_dir, optimizer=partial(torch.optim.SGD, lr=0.1))
     GRPOModule(model_dir, learning_rate=1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"weight_decay": -0.1}, r"model\.weight_decay=-0\.1: it must be >= 0"),
+    ({"warmup_steps": -5}, r"model\.warmup_steps=-5: it must be >= 0"),
+    ({"optimizer": partial(torch.optim.SGD, lr=-0.1)}, r"model\.optimizer\.init_args\.lr=-0\.1: it must be > 0"),
+    ({"optimizer": partial(torch.optim.AdamW, lr=1e-3, weight_decay=-1.0)},
+     r"model\.optimizer\.init_args\.weight_decay=-1\.0: it must be >= 0"),
+])
+def test_negative_optimizer_settings_fail_at_construction(model_dir, kwargs, message):
+    """Before the model loads, not as torch's traceback once the optimizer is built."""
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(model_dir, **kwargs)
+
+
+def test_bad_model_init_kwargs_name_the_setting(model_dir):
+    module = GRPOModule(model_dir, model_init_kwargs={"attn_implementation": "no_such_kernel"}, save_final_model=False)
+    with pytest.raises(ValueError, match=r"model\.model_init_kwargs=\{'attn_implementation': 'no_such_kernel'\}: "
+                                         r"AutoModelForCausalLM\.from_pretrained\(.*\) refused them"):
+        module.configure_model()

@@ -27,6 +27,16 @@ IDS = [[10, 2], [11, 2], [12, 2], [12, 12]]
 SLEEP_S, LIMIT_S, BOUND_S = 5.0, 0.2, 2.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def late_calls_finish_here():
+    """The late calls' threads end within this module: one finishing later would log its "finished
+    late" line into whichever test runs then, after pytest closed the stream it captured."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("grpo-reward-"):
+            thread.join(timeout=2 * SLEEP_S)
+
+
 def slow_sync(completions, log_metric, log_extra, **kwargs):
     log_metric("late_metric", 1.0)  # pushed before the limit: must not reach the results
     log_extra("late_column", list(completions))

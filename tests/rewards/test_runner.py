@@ -290,6 +290,10 @@ def test_dotted_path_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         resolve_reward_funcs(["my_rewards_pkg.scoring.NOT_CALLABLE"])
     with pytest.raises(ValueError, match="cannot import 'nopkg_xyz.mod.fn'"):
         resolve_reward_funcs(["nopkg_xyz.mod.fn"])
+    with pytest.raises(ValueError, match=r"^data\.reward_funcs\[1\]='nopkg_xyz\.mod\.fn': cannot import"):
+        resolve_reward_funcs([lambda completions, **kwargs: [0.0] * len(completions), "nopkg_xyz.mod.fn"])
+    with pytest.raises(ValueError, match=r"^data\.reward_funcs\[0\]: reward .* not callable"):
+        resolve_reward_funcs(["my_rewards_pkg.scoring.NOT_CALLABLE"])
     with pytest.raises(ModuleNotFoundError, match="does_not_exist_anywhere_xyz"):
         resolve_reward_funcs(["my_rewards_pkg.broken.fn"])
 

@@ -152,6 +152,7 @@ def _yaml(**kwargs) -> dict:
     ({}, "trainer.max_epochs", 3),
     ({"max_steps": 7}, "trainer.max_steps", 7),
     ({"max_grad_norm": 0.0}, "trainer.gradient_clip_val", None),
+    ({"max_grad_norm": -1.0}, "trainer.gradient_clip_val", None),  # transformers: <= 0 skips clipping
     ({"logging_steps": 0.25, "max_steps": 10}, "trainer.log_every_n_steps", 3),
     ({}, "checkpoint_every_n_steps", 500),
     ({"save_strategy": "no"}, "trainer.enable_checkpointing", False),
