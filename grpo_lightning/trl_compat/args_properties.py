@@ -132,6 +132,16 @@ class TrainingArgumentsProperties:
         return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
 
     @property
+    def parallel_mode(self) -> Any:
+        """transformers' ``ParallelMode``: ``DISTRIBUTED`` with several processes, ``NOT_DISTRIBUTED``
+        for several GPUs in one process (never used here: one process per GPU), else ``NOT_PARALLEL``."""
+        from transformers.training_args import ParallelMode
+
+        if self.world_size > 1:
+            return ParallelMode.DISTRIBUTED
+        return ParallelMode.NOT_DISTRIBUTED if self.n_gpu > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
     def train_batch_size(self) -> int:
         """transformers' "actual" training batch size: ``per_device_train_batch_size × max(1, n_gpu)``."""
         return self.per_device_train_batch_size * max(1, self.n_gpu)

@@ -300,6 +300,20 @@ class TrainerCallbacks(pl.Callback):
             logs["epoch"] = self.state.epoch
         self.log_history.append({**logs, "step": self.state.global_step})
         self._fire("on_log", logs=logs)
+        self._to_loggers(logs)
+
+    def _to_loggers(self, logs: dict[str, Any]) -> None:
+        """The numbers of ``logs`` to the run's Lightning loggers (MLflow, ...) at the current step, as
+        transformers' reporting callbacks log every ``Trainer.log``: while a run is going (its end's
+        summary included); before or after one there is no open run to log to."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.status.value != "running" or trainer.sanity_checking:
+            return
+        numbers = {k: float(v) for k, v in logs.items()
+                   if k != "epoch" and isinstance(v, (int, float)) and not isinstance(v, bool)}  # epoch: every step log has it
+        for logger in trainer.loggers:
+            if not isinstance(logger, _Recorder):  # the recorder is how step logs reach log_history
+                logger.log_metrics(numbers, step=trainer.global_step)
 
     def record(self, metrics: dict[str, float], step: int | None) -> None:
         """One ``log_metrics`` call: appended to ``log_history``; ``on_log`` is called with it."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from grpo_lightning.trl_compat.args_properties import TrainingArgumentsProperties
+from grpo_lightning.trl_compat.args_setters import TrainingArgumentsSetters
 from grpo_lightning.trl_compat.checks import resolve_grpo, resolve_training_arguments, suggestion
 from grpo_lightning.trl_compat.grpo_fields import GRPOFields
 
@@ -33,7 +34,7 @@ RENAMED = {
 
 
 @dataclass
-class GRPOConfig(GRPOFields, TrainingArgumentsProperties):
+class GRPOConfig(GRPOFields, TrainingArgumentsProperties, TrainingArgumentsSetters):
     """Every field of TRL's ``GRPOConfig`` (the seed's documentation: its own fields and the
     ``TrainingArguments`` fields it lists), with the same names, order and defaults.
 

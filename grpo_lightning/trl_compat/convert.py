@@ -59,8 +59,10 @@ def convert_config(config: Any, builder: ConfigBuilder, ctx: Context) -> None:
         converter(config, builder, ctx)
     # Last, so the converters' callbacks keep their places: transformers' flow of logs and evaluations.
     evaluate_at_end = config.eval_strategy == "steps" and ctx.has_eval_dataset
+    fraction = config.logging_steps if 0 < config.logging_steps < 1 and config.max_steps <= 0 else None
     builder.append("trainer.callbacks", {"class_path": FLOW_CALLBACK, "init_args": {
-        "evaluate_at_end": evaluate_at_end, "log_first_step": bool(config.logging_first_step)}})
+        "evaluate_at_end": evaluate_at_end, "log_first_step": bool(config.logging_first_step),
+        **({"logging_fraction": fraction} if fraction is not None else {})}})
     defaults = _defaults()
     for f in fields(config):
         reason = not_applicable_reason(f.name)

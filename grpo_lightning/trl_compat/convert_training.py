@@ -144,7 +144,10 @@ def logging(c: Any, b: ConfigBuilder, ctx: Context) -> None:
         raise ConfigError(f"GRPOConfig.logging_strategy={c.logging_strategy!r}: metrics are logged every "
                           "logging_steps optimizer steps only; use logging_strategy='steps' (report_to='none' "
                           "turns the trackers off).")
-    b.set("trainer.log_every_n_steps", _steps(c, "logging_steps", c.logging_steps))
+    if 0 < c.logging_steps < 1 and c.max_steps <= 0:  # a fraction of an epoch run's steps: TRLStepFlow resolves it
+        b.set("trainer.log_every_n_steps", 1)
+    else:
+        b.set("trainer.log_every_n_steps", _steps(c, "logging_steps", c.logging_steps))
     b.set("trainer.enable_progress_bar", not c.disable_tqdm)
     reports = [c.report_to] if isinstance(c.report_to, str) or c.report_to is None else list(c.report_to)
     reports = [r for r in reports if r not in (None, "none")]

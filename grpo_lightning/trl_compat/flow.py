@@ -23,6 +23,7 @@ Layer L7 (trl_compat).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,11 +40,18 @@ class TRLStepFlow(pl.Callback):
         evaluate_at_end: Validate at the last step of the run even when it is not a
             ``val_check_interval`` step (``eval_strategy="steps"`` with an evaluation set).
         log_first_step: Also log the first optimizer step (``logging_first_step``).
+        logging_fraction: Log every ``ceil(fraction x planned steps)`` optimizer steps, the planned
+            steps known once training starts (``logging_steps`` below 1 in a run of
+            ``num_train_epochs``); sets ``trainer.log_every_n_steps`` then. ``None``: as configured.
     """
 
-    def __init__(self, evaluate_at_end: bool = False, log_first_step: bool = False) -> None:
+    def __init__(self, evaluate_at_end: bool = False, log_first_step: bool = False,
+                 logging_fraction: float | None = None) -> None:
+        if logging_fraction is not None and not 0 < logging_fraction < 1:
+            raise ValueError(f"logging_fraction={logging_fraction}: use a fraction in (0, 1), or null.")
         self.evaluate_at_end = evaluate_at_end
         self.log_first_step = log_first_step
+        self.logging_fraction = logging_fraction
         self._last_step: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -54,7 +62,10 @@ class TRLStepFlow(pl.Callback):
                 callback.log_first_step = self.log_first_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = planned_steps(trainer) if self.evaluate_at_end else None
+        planned = planned_steps(trainer)
+        self._last_step = planned if self.evaluate_at_end else None
+        if self.logging_fraction is not None and planned is not None:
+            trainer.log_every_n_steps = max(1, math.ceil(planned * self.logging_fraction))  # transformers' rule
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

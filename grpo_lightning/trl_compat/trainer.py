@@ -211,20 +211,34 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ callbacks and logs (transformers' API)
     def add_callback(self, callback: Any) -> None:
-        """Add an HF ``TrainerCallback`` (a class is built without arguments) for the next run."""
-        self.callback_handler.add_callback(callback)
+        """Add a callback for the next run: an HF ``TrainerCallback`` or a Lightning ``Callback`` (a class is
+        built without arguments), as the constructor's ``callbacks`` take them."""
+        hf, lightning = _split_callbacks([callback])
+        self._lightning_callbacks.extend(lightning)
+        for each in hf:
+            self.callback_handler.add_callback(each)
 
     def pop_callback(self, callback: Any) -> Any:
-        """Remove and return the first HF callback of class ``callback`` (or that instance), or ``None``."""
-        return self.callback_handler.pop_callback(callback)
+        """Remove and return the first callback of class ``callback`` (or that instance), HF callbacks
+        first, then Lightning ones; ``None`` when there is none."""
+        popped = self.callback_handler.pop_callback(callback)
+        if popped is not None:
+            return popped
+        for existing in self._lightning_callbacks:
+            if isinstance(existing, callback) if isinstance(callback, type) else existing is callback:
+                self._lightning_callbacks.remove(existing)
+                return existing
+        return None
 
     def remove_callback(self, callback: Any) -> None:
-        """Remove the first HF callback of class ``callback``, or that instance."""
-        self.callback_handler.remove_callback(callback)
+        """Remove the first callback of class ``callback``, or that instance (HF or Lightning; an instance
+        that is in neither list raises ``ValueError``, as in transformers)."""
+        if self.pop_callback(callback) is None and not isinstance(callback, type):
+            raise ValueError(f"{callback!r} is not among the trainer's callbacks.")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Record ``logs`` in ``log_history`` (with ``epoch`` and ``step``) and call ``on_log`` with them.
-        They go to the HF callbacks, not to the Lightning loggers (those log the run's own metrics)."""
+        """Record ``logs`` in ``log_history`` (with ``epoch`` and ``step``) and call ``on_log`` with them;
+        during a run (from a callback) they also go to its loggers (``report_to``), as in transformers."""
         self.callback_handler.log_logs(logs)
 
     def is_world_process_zero(self) -> bool:

@@ -62,3 +62,56 @@ def test_to_json_string_and_to_sanitized_dict():
     assert sanitized["train_batch_size"] == 4 and sanitized["learning_rate"] == 1e-6
     assert sanitized["report_to"] == "none" and sanitized["include_for_metrics"] == "[]"  # a list: its str
     assert all(type(v) in (bool, int, float, str) for v in sanitized.values())
+
+
+SETTER_CALLS = [
+    ("set_training", {"learning_rate": 3e-4, "batch_size": 4, "weight_decay": 0.1, "num_epochs": 2, "max_steps": 9,
+                      "gradient_accumulation_steps": 2, "seed": 5, "activation_checkpointing": True}),
+    ("set_evaluate", {"strategy": "steps", "steps": 7, "batch_size": 4, "accumulation_steps": 2, "delay": 1.0}),
+    ("set_testing", {"batch_size": 2, "loss_only": True}),
+    ("set_save", {"strategy": "steps", "steps": 11, "total_limit": 3, "on_each_node": True}),
+    ("set_logging", {"strategy": "steps", "steps": 3, "report_to": "mlflow", "level": "info", "first_step": True,
+                     "nan_inf_filter": True, "on_each_node": True, "replica_level": "warning"}),
+    ("set_push_to_hub", {"model_id": "me/model", "strategy": "end", "token": "t", "private_repo": True,
+                         "always_push": True, "revision": "dev"}),
+    ("set_optimizer", {"name": "sgd", "learning_rate": 1e-3, "weight_decay": 0.2, "beta1": 0.8, "beta2": 0.9,
+                       "epsilon": 1e-6, "args": "momentum=0.9"}),
+    ("set_lr_scheduler", {"name": "cosine", "num_epochs": 2.0, "max_steps": 20, "warmup_steps": 0.1}),
+    ("set_dataloader", {"train_batch_size": 4, "eval_batch_size": 2, "drop_last": True, "num_workers": 1,
+                        "pin_memory": False, "persistent_workers": True, "prefetch_factor": 2, "in_order": False,
+                        "auto_find_batch_size": True, "ignore_data_skip": True, "sampler_seed": 3}),
+]
+
+
+@pytest.mark.parametrize("setter, kwargs", SETTER_CALLS, ids=[call[0] for call in SETTER_CALLS])
+def test_setters_set_what_transformers_sets(setter, kwargs, tmp_path):
+    """Each ``set_*`` leaves every field it touches as transformers' own ``TrainingArguments`` does."""
+    from transformers import TrainingArguments
+
+    def value(v):
+        return getattr(v, "value", v)  # transformers' enums as their strings
+
+    theirs = TrainingArguments(output_dir=str(tmp_path))
+    ours = GRPOConfig(output_dir=str(tmp_path))
+    their_before, our_before = dict(vars(theirs)), dict(vars(ours))
+    assert getattr(theirs, setter)(**kwargs) is theirs and getattr(ours, setter)(**kwargs) is ours
+    touched = {k for k, v in vars(theirs).items() if their_before.get(k) != v}
+    touched |= {k for k, v in vars(ours).items() if our_before.get(k) != v}
+    assert touched
+    for name in sorted(touched):
+        assert value(getattr(ours, name)) == value(getattr(theirs, name)), name
+
+
+def test_setters_check_strategies_as_transformers_does():
+    with pytest.raises(ValueError, match="requires a positive value for `steps`"):
+        GRPOConfig().set_save(strategy="steps", steps=0)
+    with pytest.raises(ValueError, match="hourly is not a valid IntervalStrategy"):
+        GRPOConfig().set_logging(strategy="hourly")
+
+
+def test_parallel_mode(monkeypatch):
+    from transformers.training_args import ParallelMode
+
+    assert GRPOConfig(use_cpu=True).parallel_mode is ParallelMode.NOT_PARALLEL
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert GRPOConfig(use_cpu=True).parallel_mode is ParallelMode.DISTRIBUTED

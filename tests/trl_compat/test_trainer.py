@@ -3,6 +3,7 @@ push_to_hub at the huggingface_hub boundary (offline), a caller's optimizer obje
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -122,6 +123,14 @@ def test_train_evaluate_save_and_push(tiny_model, prompts, tmp_path, monkeypatch
     assert names.count("on_push_begin") == 0 and events.events[-1][0] == "on_push_begin"
 
 
+class CountBatches(pl.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_end(self, *args, **kwargs):
+        self.batches += 1
+
+
 @pytest.mark.slow
 def test_stop_flag_and_a_callers_optimizer(tiny_model, prompts, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -133,9 +142,12 @@ def test_stop_flag_and_a_callers_optimizer(tiny_model, prompts, tmp_path):
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=prompts,
                           processing_class=_tokenizer(tiny_model), optimizers=(optimizer, None),
                           callbacks=[StopAfterFirstStep])
+    trainer.add_callback(CountBatches)  # a Lightning callback class, added as an HF one would be
     before = [p.detach().clone() for p in model.parameters()]
     trainer.train()
     assert trainer.lightning_trainer.global_step == 1  # control.should_training_stop after step 1
+    (counter,) = [c for c in trainer.lightning_trainer.callbacks if isinstance(c, CountBatches)]
+    assert counter.batches == 1
     assert trainer.lightning_trainer.optimizers[0] is optimizer
     assert trainer.model is model  # trained in place
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

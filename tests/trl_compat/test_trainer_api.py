@@ -79,6 +79,18 @@ def test_state_callbacks_and_log_before_a_run(tiny_model, prompts, tmp_path, mon
     with pytest.raises(ConfigError, match="on_predict"):
         trainer.add_callback(OnPredict)
 
+    # Lightning callbacks go into the same list operations (the constructor takes both kinds)
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    trainer.add_callback(LearningRateMonitor)
+    assert isinstance(trainer.pop_callback(LearningRateMonitor), LearningRateMonitor)
+    monitor = LearningRateMonitor()
+    trainer.add_callback(monitor)
+    trainer.remove_callback(monitor)
+    assert trainer.pop_callback(LearningRateMonitor) is None
+    with pytest.raises(ValueError, match="not among the trainer's callbacks"):
+        trainer.remove_callback(monitor)
+
     kept = trainer.callback_handler.callbacks[0]
     trainer.log({"my_metric": 1.5})
     assert trainer.log_history[-1] == {"my_metric": 1.5, "epoch": 0, "step": 0}  # TrainerState's epoch: 0 at first

@@ -78,6 +78,19 @@ def test_epoch_bound_run_state_summary_and_step_logs(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_fractional_logging_steps_in_an_epoch_run_is_a_fraction_of_its_planned_steps(tiny_model, tmp_path):
+    """transformers: ``logging_steps < 1`` logs every ``ceil(max_steps x logging_steps)`` steps, with
+    ``max_steps`` what the epochs amount to (8 here: every 2 steps)."""
+    events = Events()
+    args = _args(tmp_path, max_steps=-1, num_train_epochs=2, logging_steps=0.25)
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, train_dataset=_four_prompts(), args=args,
+                          callbacks=[events])
+    trainer.train()
+    assert [e["step"] for e in trainer.log_history if "loss" in e] == [2, 4, 6, 8]
+    assert trainer.state.logging_steps == 2
+
+
+@pytest.mark.slow
 def test_steps_evaluation_runs_again_at_a_last_step_that_is_not_an_eval_step(tiny_model, tmp_path):
     events = Events()
     args = _args(tmp_path, max_steps=3, logging_steps=2, eval_strategy="steps", eval_steps=2,
