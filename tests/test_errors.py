@@ -58,6 +58,8 @@ def run_grpo(args, capsys):
     (["--data.generation.generation_kwargs", '{"tempreature": 0.5}'], "['tempreature'] is not a setting of "
                                                                        "data.sampler: hf_generate"),
     # trainer settings Lightning accepts but that train wrongly or fail after the first step
+    (["--data.sampler", "hf_generate", "--data.sampler.init_args.cache_implementation", "statc"],
+     "data.sampler.init_args.cache_implementation='statc': use one of"),
     (["--trainer.gradient_clip_val", "-1"], "trainer.gradient_clip_val=-1"),
     (["--trainer.log_every_n_steps", "0"], "trainer.log_every_n_steps=0"),
     (["--trainer.val_check_interval", "0"], "trainer.val_check_interval=0"),
@@ -69,6 +71,15 @@ def test_user_errors_print_one_message_without_traceback(config, capsys, overrid
     assert code == 1
     assert message in err and "GRPO_DEBUG=1" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+
+
+def test_a_bad_model_init_kwarg_is_one_message_when_the_model_loads(config, capsys):
+    """Raised by transformers once the run has started (its plan lines come first), named by our key."""
+    code, err = run_grpo(["fit", "--config", str(config), "--trainer.logger", "false", "--model.model_init_kwargs",
+                          '{"attn_implementation": "no_such_kernel"}'], capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert "error: model.model_init_kwargs={'attn_implementation': 'no_such_kernel'}: " \
+           "AutoModelForCausalLM.from_pretrained(" in err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA device")

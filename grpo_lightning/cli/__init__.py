@@ -240,10 +240,26 @@ def launched_as_rank_zero() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is at each record (a caller may swap it between runs), not to the
+    stream that was current when the handler was made."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _show_package_logs() -> None:
     package_log = logging.getLogger("grpo_lightning")
     if not package_log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         package_log.addHandler(handler)
         package_log.setLevel(logging.INFO)

@@ -109,17 +109,6 @@ def hf_generation_keys() -> set[str]:
     return {k for k in vars(GenerationConfig()) if not k.startswith("_")}
 
 
-def vllm_sampling_keys() -> set[str] | None:
-    """The fields of vLLM's ``SamplingParams``; ``None`` when vLLM is not installed here (a remote
-    server then checks them itself)."""
-    try:
-        from vllm import SamplingParams
-    except Exception:  # noqa: BLE001 - vLLM absent or unimportable on this machine
-        return None
-    fields = getattr(SamplingParams, "__struct_fields__", None)
-    return {name for name in fields if not name.startswith("_")} if fields else None
-
-
 def check_hf_generation(params: GenerationParams, backend: str) -> None:
     """The checks of a ``transformers``-based back-end (HF generate, continuous batching, fast generate)."""
     check_backend_kwargs(params, backend, hf_generation_keys(), HF_OWNED_KEYS)

@@ -22,11 +22,11 @@ from typing import Any, Sequence
 import torch
 
 from grpo_lightning.samplers.base import Sampler
-from grpo_lightning.samplers.generation_checks import check_vllm_generation, vllm_sampling_keys
+from grpo_lightning.samplers.generation_checks import check_vllm_generation
 from grpo_lightning.samplers.hf_common import completion_rollout
 from grpo_lightning.samplers.vllm_common import (
     distributed_rank_and_world, engine_prompt, engine_prompt_logprobs, image_token_id, import_vllm, policy_weights,
-    sampling_params,
+    sampling_params, vllm_sampling_keys,
 )
 from grpo_lightning.samplers.vllm_launch import (
     GroupRequest, default_group_kept, gather_group_requests, group_max, set_launcher_env, tensor_parallel_group,

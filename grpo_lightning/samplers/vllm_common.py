@@ -264,7 +264,18 @@ def policy_weights(handle: PolicyHandle) -> Iterator[Iterator[tuple[str, torch.T
         yield _named_weights(model, checkpoint_name)
 
 
+def vllm_sampling_keys() -> set[str] | None:
+    """The fields of vLLM's ``SamplingParams``; ``None`` when vLLM is not installed here (a remote
+    server then checks them itself)."""
+    try:
+        from vllm import SamplingParams
+    except Exception:  # noqa: BLE001 - vLLM absent or unimportable on this machine
+        return None
+    fields = getattr(SamplingParams, "__struct_fields__", None)
+    return {name for name in fields if not name.startswith("_")} if fields else None
+
+
 __all__ = [
     "checkpoint_name", "distributed_rank_and_world", "engine_prompt", "image_token_id", "import_vllm", "peft_checkpoint_name", "policy_weight_shapes",
-    "policy_weights", "sampling_fields", "sampling_params",
+    "policy_weights", "sampling_fields", "sampling_params", "vllm_sampling_keys",
 ]

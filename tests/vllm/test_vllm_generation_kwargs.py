@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: make test-vllm runs this in .venv-vllm")
 
 from grpo_lightning.errors import ConfigError  # noqa: E402
-from grpo_lightning.samplers.generation_checks import vllm_sampling_keys  # noqa: E402
+from grpo_lightning.samplers.vllm_common import vllm_sampling_keys  # noqa: E402
 from grpo_lightning.samplers.vllm_colocate import VLLMColocateSampler  # noqa: E402
 from grpo_lightning.types import GenerationParams  # noqa: E402
 
