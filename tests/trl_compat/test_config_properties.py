@@ -66,7 +66,7 @@ def test_to_json_string_and_to_sanitized_dict():
 
 SETTER_CALLS = [
     ("set_training", {"learning_rate": 3e-4, "batch_size": 4, "weight_decay": 0.1, "num_epochs": 2, "max_steps": 9,
-                      "gradient_accumulation_steps": 2, "seed": 5, "activation_checkpointing": True}),
+                      "gradient_accumulation_steps": 2, "seed": 5}),
     ("set_evaluate", {"strategy": "steps", "steps": 7, "batch_size": 4, "accumulation_steps": 2, "delay": 1.0}),
     ("set_testing", {"batch_size": 2, "loss_only": True}),
     ("set_save", {"strategy": "steps", "steps": 11, "total_limit": 3, "on_each_node": True}),
@@ -91,6 +91,11 @@ def test_setters_set_what_transformers_sets(setter, kwargs, tmp_path):
     def value(v):
         return getattr(v, "value", v)  # transformers' enums as their strings
 
+    if setter == "set_training":  # transformers 5.17 names it gradient_checkpointing only; ours takes both names
+        import inspect
+
+        takes_new_name = "activation_checkpointing" in inspect.signature(TrainingArguments.set_training).parameters
+        kwargs = {**kwargs, ("activation_checkpointing" if takes_new_name else "gradient_checkpointing"): True}
     theirs = TrainingArguments(output_dir=str(tmp_path))
     ours = GRPOConfig(output_dir=str(tmp_path))
     their_before, our_before = dict(vars(theirs)), dict(vars(ours))
