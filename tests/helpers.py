@@ -30,6 +30,32 @@ def write_prompts(path: Path, num_rows: int = 24, conversational: bool = False) 
     return str(path)
 
 
+def fit_config(root: Path, *, trainer: dict | None = None, model: dict | None = None, data: dict | None = None,
+               **top) -> dict:
+    """A tiny ``grpo fit`` config under ``root``: one CPU step of a fresh tiny model on ``a+b=``
+    prompts (groups of 4, 8 completions a micro-batch, 4 new tokens), no progress bar. ``trainer``,
+    ``model`` and ``data`` update those sections; ``top`` adds top-level keys."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return {
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(root / "run"),
+                    "enable_progress_bar": False, **(trainer or {})},
+        "model": {"model": make_model_dir(root / "model"), **(model or {})},
+        "data": {"dataset": write_prompts(root / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
+                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4},
+                 **(data or {})},
+        **top,
+    }
+
+
+def write_config(path: Path, config: dict) -> Path:
+    """``config`` as a YAML file at ``path``."""
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(config))
+    return Path(path)
+
+
 def length_reward(completions, **kwargs):
     """Longer completions score higher: varied rewards, so advantages are non-zero."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]

@@ -7,26 +7,17 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from grpo_lightning.cli import main
 from grpo_lightning.errors import ConfigError, is_user_error, raised_in_package
 from grpo_lightning.losses import get_loss
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import fit_config, write_config
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
-    path = root / "cfg.yaml"
-    path.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(root / "run"),
-                    "enable_progress_bar": False},
-        "model": {"model": make_model_dir(root / "model"), "learning_rate": 1e-2},
-        "data": {"dataset": write_prompts(root / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
-                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4}},
-    }))
-    return path
+    return write_config(root / "cfg.yaml", fit_config(root, model={"learning_rate": 1e-2}))
 
 
 def run_grpo(args, capsys):

@@ -8,7 +8,7 @@ import yaml
 from grpo_lightning.cli import main
 from grpo_lightning.cli.run_dir import check_run_dir
 from grpo_lightning.errors import ConfigError
-from tests.helpers import make_model_dir, write_prompts
+from tests.helpers import fit_config, write_config
 
 
 @pytest.mark.parametrize("marker", ["config.yaml", "final_model", "completions", "checkpoints"])
@@ -39,15 +39,8 @@ def test_output_dir_with_a_final_model_is_checked_too(tmp_path):
 
 @pytest.fixture
 def config(tmp_path):
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "default_root_dir": str(tmp_path / "run"),
-                    "enable_progress_bar": False, "enable_checkpointing": False},
-        "model": {"model": make_model_dir(tmp_path / "model"), "save_final_model": False},
-        "data": {"dataset": write_prompts(tmp_path / "prompts.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
-                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4}},
-    }))
-    return path
+    return write_config(tmp_path / "cfg.yaml", fit_config(tmp_path, trainer={"enable_checkpointing": False},
+                                                          model={"save_final_model": False}))
 
 
 def test_grpo_fit_refuses_a_second_run_before_loading_anything(config, tmp_path, capsys):

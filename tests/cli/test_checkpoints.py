@@ -19,7 +19,7 @@ from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward, make_model_dir, write_prompts
+from tests.helpers import fit_config, length_reward, make_model_dir, write_config, write_prompts
 
 
 def _save(path, step):
@@ -153,24 +153,16 @@ def test_a_resumed_run_links_last_to_its_newest_checkpoint(tmp_path):
 def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
     """``trainer.logger: MLFlowLogger`` in the YAML (not the default logger): the resumed run logs
     into the run it resumes, not into a second one."""
-    import yaml
     from mlflow.tracking import MlflowClient
 
     from grpo_lightning.cli import main
 
     store = f"sqlite:///{tmp_path}/mlflow.db"
-    config = {
-        "trainer": {"accelerator": "cpu", "default_root_dir": str(tmp_path), "log_every_n_steps": 1,
-                    "enable_progress_bar": False,
-                    "logger": {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
-                               "init_args": {"experiment_name": "grpo", "tracking_uri": store}}},
-        "model": {"model": make_model_dir(tmp_path / "m"), "learning_rate": 1e-2, "save_final_model": False},
-        "data": {"dataset": write_prompts(tmp_path / "p.jsonl"), "reward_funcs": ["tests.helpers.length_reward"],
-                 "num_generations": 4, "per_device_train_batch_size": 8, "generation": {"max_completion_length": 4}},
-        "checkpoint_every_n_steps": 1,
-    }
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(config))
+    logger = {"class_path": "lightning.pytorch.loggers.MLFlowLogger",
+              "init_args": {"experiment_name": "grpo", "tracking_uri": store}}
+    path = write_config(tmp_path / "cfg.yaml", fit_config(
+        tmp_path / "inputs", trainer={"default_root_dir": str(tmp_path), "log_every_n_steps": 1, "logger": logger},
+        model={"learning_rate": 1e-2, "save_final_model": False}, checkpoint_every_n_steps=1))
     main(["fit", "--config", str(path), "--trainer.max_steps", "2"])
     main(["fit", "--config", str(path), "--trainer.max_steps", "3", "--ckpt_path", "last"])
     client = MlflowClient(store)
