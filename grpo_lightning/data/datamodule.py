@@ -17,7 +17,9 @@ from grpo_lightning.data.agent_wiring import AgentSettings, environment_prompt, 
 from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, eval_step_seed, isolated_rng
 from grpo_lightning.data.generation_buffer import GenerationBuffer
-from grpo_lightning.data.micro_steps import DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, window_steps
+from grpo_lightning.data.micro_steps import (
+    DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, trained_micro_steps, window_steps,
+)
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.prompt_format import check_completion_fits, check_system_prompt, format_row
@@ -213,6 +215,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.schedule: MicroStepSchedule | None = None
         self.prompt_order: PromptOrder | None = None
         self.micro_steps_done = 0  # micro-steps actually trained (not prefetched): the resume point
+        self._retrain_in_flight = False  # resumed from a checkpoint a failing training step wrote
         self.num_tokens = 0
         self.buffer = GenerationBuffer()
         self.run_plan: dict[str, Any] = {}  # what a resumed run must not change (resume_state.PLAN_KEYS)
@@ -328,8 +331,9 @@ class RolloutDataModule(pl.LightningDataModule):
         batches, fresh = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
                                                  self.trainer.strategy.root_device)
         batch = batches[ref.micro_index]
-        if not (fresh and ref.micro_index == 0 and ref.iteration == 0):
+        if not ((fresh or self._retrain_in_flight) and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
+        self._retrain_in_flight = False
         batch.iteration = ref.iteration
         assert self.schedule is not None
         accumulate = self.trainer.accumulate_grad_batches
@@ -382,13 +386,16 @@ class RolloutDataModule(pl.LightningDataModule):
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
         ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state()])
-        return {"micro_steps_done": self.micro_steps_done, "num_tokens": self.num_tokens, "seed": seed,
+        trained = trained_micro_steps(self.micro_steps_done, self.trainer)  # a failed step is trained again
+        return {"micro_steps_done": trained, "in_flight": trained < self.micro_steps_done,
+                "num_tokens": self.num_tokens, "seed": seed,
                 "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_same_plan(state_dict.get("plan"), self.run_plan)
         self.micro_steps_done = int(state_dict["micro_steps_done"])
+        self._retrain_in_flight = bool(state_dict.get("in_flight"))  # its generation metrics were never logged
         self.num_tokens = int(state_dict["num_tokens"])
         if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
             self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))

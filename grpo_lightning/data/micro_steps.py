@@ -81,6 +81,17 @@ def window_steps(step: int, steps_per_epoch: int, accumulate: int) -> int:
     return min(accumulate, steps_per_epoch - (within - within % accumulate))
 
 
+def trained_micro_steps(fetched: int, trainer: object) -> int:
+    """Micro-steps trained of the ``fetched`` ones: all but a training step that is running now (a
+    checkpoint written when it failed: Lightning's batch progress shows it ready, not processed), so
+    a resumed run trains that step again instead of skipping it."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    if progress is None or not getattr(trainer, "training", False):
+        return fetched
+    current = progress.current
+    return fetched - 1 if fetched > 0 and current.ready > current.processed else fetched
+
+
 class DescriptorLoader(DataLoader):
     """The training loader of micro-step descriptors. It draws nothing from the global RNG (it has
     its own generator, where a plain DataLoader draws a seed from the global one at every epoch's

@@ -217,3 +217,47 @@ def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_
     resumed = fit(tmp_path / "failed", FailOnce(None), "last")
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
+
+
+def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path):
+    """The failure happens in step 3's training step, after its micro-batch was generated:
+    ``on_exception.ckpt`` does not count that micro-step as trained, so the resumed run trains step 3
+    on the same micro-batch as a run that never failed (the same rewards and losses at every step)."""
+
+    class FailingStep(GRPOModule):
+        fail_at: int | None = None
+
+        def training_step(self, batch, batch_idx):
+            type(self).calls = getattr(type(self), "calls", 0) + 1
+            if type(self).calls == self.fail_at:
+                raise RuntimeError("device error (simulated)")
+            return super().training_step(batch, batch_idx)
+
+    class Steps(pl.Callback):
+        def __init__(self):
+            self.by_step = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics = pl_module.step_metrics
+            self.by_step[trainer.global_step] = (metrics["reward"], metrics["loss"])
+
+    def fit(root, fail_at=None, ckpt_path=None):
+        record = Steps()
+        trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(root),
+                             callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
+        data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
+                                 per_device_train_batch_size=8, seed=1,
+                                 generation=GenerationParams(max_completion_length=6))
+        module_class = type("Module", (FailingStep,), {"fail_at": fail_at, "calls": 0})
+        pl.seed_everything(0)
+        trainer.fit(module_class(make_model_dir(tmp_path / "m"), learning_rate=5e-2, save_final_model=False), data,
+                    ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+        return record.by_step
+
+    straight = fit(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "failed", fail_at=3)
+    resumed = fit(tmp_path / "failed", ckpt_path="last")
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
