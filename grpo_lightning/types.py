@@ -25,7 +25,7 @@ class GenerationParams:
         temperature: Sampling temperature. The training log-probs are computed from logits divided
             by the same temperature, so the policy being optimised is the one that sampled.
         top_p: Nucleus sampling mass.
-        top_k: Keep the ``top_k`` most likely tokens; 0 disables.
+        top_k: Keep the ``top_k`` most likely tokens; 0 disables (-1, vLLM's old spelling, is read as 0).
         min_p: Minimum token probability relative to the most likely one; ``None`` disables.
         repetition_penalty: HF/vLLM repetition penalty; 1.0 disables.
         generation_kwargs: Extra back-end settings (``GenerationConfig`` / ``SamplingParams`` keys, e.g.
@@ -51,9 +51,11 @@ class GenerationParams:
                 f"data.generation.temperature={self.temperature}: it must be > 0 (the training log-probs divide the "
                 "logits by it). For near-greedy sampling use a small value such as 0.01."
             )
+        if self.top_k == -1:  # vLLM's older spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
         ranges = (
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]; 1.0 disables it"),
-            ("top_k", self.top_k, self.top_k >= 0, ">= 0; 0 disables it"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0; 0 (or -1) disables it"),
             ("min_p", self.min_p, self.min_p is None or 0 <= self.min_p <= 1, "in [0, 1], or null to disable it"),
             ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0; 1.0 disables it"),
         )

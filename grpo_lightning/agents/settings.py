@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from grpo_lightning.errors import ConfigError
+from grpo_lightning.errors import ConfigError, raised_in_package
 from grpo_lightning.rewards.loading import import_dotted_path
 from grpo_lightning.tools import Tool, Toolbox, ToolSchemaError
 
@@ -71,6 +71,8 @@ def resolve_callable(spec: Any, setting: str) -> Callable[..., Any]:
     try:
         obj = import_dotted_path(spec) if isinstance(spec, str) else spec
     except ValueError as err:
+        if not raised_in_package(err):  # the user's module failed while importing: its own traceback
+            raise
         raise ConfigError(f"{setting}={spec!r}: {err}") from err
     if not callable(obj):
         raise ConfigError(f"{setting}={spec!r} is not callable.")

@@ -244,7 +244,8 @@ class RolloutDataModule(pl.LightningDataModule):
     def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
         check_training_length(trainer.max_steps, trainer.max_epochs)
-        check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps, trainer.val_check_interval,
+        check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps,
+                               getattr(trainer, "val_check_interval", None),  # unset for a time interval
                                trainer.check_val_every_n_epoch, trainer.limit_train_batches)
         plan = plan_generation_batches(
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,

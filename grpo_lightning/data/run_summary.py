@@ -88,7 +88,8 @@ def check_trainer_settings(
         )
     for key, value in (("log_every_n_steps", log_every_n_steps), ("val_check_interval", val_check_interval),
                        ("check_val_every_n_epoch", check_val_every_n_epoch)):
-        if value is not None and value <= 0:
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)  # not a time ("00:00:10:00")
+        if numeric and value <= 0:
             raise ConfigError(
                 f"trainer.{key}={value}: it must be positive (every how many steps or epochs); to turn "
                 f"{'logging' if key == 'log_every_n_steps' else 'validation'} off use "

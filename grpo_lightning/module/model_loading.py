@@ -122,9 +122,13 @@ def load_policy(
         if not model_init_kwargs:
             raise
         # an unknown argument reaches the model's __init__ (TypeError), a bad value transformers' checks
+        user = {k: v for k, v in model_init_kwargs.items() if k != "quantization_config"}
+        settings = [f"model.model_init_kwargs={user}"] if user else []
+        if "quantization_config" in model_init_kwargs:
+            settings.append("model.quantization_config")
         raise ValueError(
-            f"model.model_init_kwargs={model_init_kwargs}: {auto.__name__}.from_pretrained({model!r}) refused "
-            f"them: {error}. Check the names and values (e.g. attn_implementation: sdpa, eager)."
+            f"{' or '.join(settings)}: {auto.__name__}.from_pretrained({model!r}) failed with them: {error}. "
+            "Check their names and values (e.g. attn_implementation: sdpa, eager)."
         ) from error
 
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from grpo_lightning.errors import raised_in_package
+
 from grpo_lightning.rewards.reward_model import RewardModel
 
 
@@ -169,6 +171,8 @@ def resolve_reward_funcs(
             try:
                 func = _resolve_string(item, BUILTIN_REWARDS, tokenizer, model_init_kwargs, trust_remote_code)
             except ValueError as err:
+                if not raised_in_package(err):  # the user's own module or reward class failed: its traceback
+                    raise
                 named = ValueError(f"{setting}={item!r}: {err}")
                 for note in getattr(err, "__notes__", ()):  # a reward model's loading context
                     named.add_note(note)

@@ -43,7 +43,9 @@ HF_OWNED_KEYS = {
 VLLM_OWNED_KEYS = {
     "logprobs": "the sampler asks for the sampled token's log-prob (the importance-sampling correction "
                 "reads it)",
-    "seed": "the sampler seeds each request from the run's seed",
+    "seed": "one seed for every request would repeat the same draws; the engine is seeded from the run's seed",
+    "stop_token_ids": "generation stops on the policy's own EOS ids (the tokenizer's and the model generation "
+                      "config's), which the sampler sets here; use stop for extra stop strings",
 }  # fmt: skip
 
 

@@ -80,7 +80,7 @@ def generation(c: Any, b: ConfigBuilder, ctx: Context) -> None:
         "generation_kwargs": _json("generation_kwargs", c.generation_kwargs),
     })
     b.set("data.num_generations", c.num_generations)
-    if c.num_generations_eval is not None:
+    if c.num_generations_eval:  # TRL: None or 0 means num_generations
         b.set("data.num_generations_eval", c.num_generations_eval)
     b.set("data.shuffle_dataset", bool(c.shuffle_dataset))
     optional(b, ctx, "data.pad_to_multiple_of", c.pad_to_multiple_of, None, "pad_to_multiple_of")

@@ -49,3 +49,34 @@ def _echo(text: str) -> str:
         text: Any text.
     """
     return text
+
+
+def test_a_time_based_validation_interval_is_not_a_number_to_check():
+    """Lightning takes ``val_check_interval: "DD:HH:MM:SS"`` (and then leaves the attribute unset)."""
+    import lightning.pytorch as pl
+
+    from grpo_lightning.data.run_summary import check_trainer_settings
+
+    check_trainer_settings(1.0, 10, "00:00:10:00", None, 1.0)
+    trainer = pl.Trainer(val_check_interval="00:00:10:00", check_val_every_n_epoch=None, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps,
+                           getattr(trainer, "val_check_interval", None), trainer.check_val_every_n_epoch,
+                           trainer.limit_train_batches)
+
+
+def test_an_error_inside_a_users_reward_module_keeps_its_own_traceback(tmp_path, monkeypatch):
+    """Only the package's own resolution errors are named by the setting; a ``ValueError`` raised by
+    the user's class stays that error (``grpo`` then shows its traceback)."""
+    import json
+
+    from grpo_lightning.errors import is_user_error
+    from grpo_lightning.rewards import resolve_reward_funcs
+
+    (tmp_path / "broken_reward_pkg.py").write_text(
+        "import json\n\nclass BrokenReward:\n    def __init__(self):\n        json.loads('{bad')\n"
+        "    def __call__(self, completions, **kwargs):\n        return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(json.JSONDecodeError) as info:
+        resolve_reward_funcs(["broken_reward_pkg.BrokenReward"])
+    assert not is_user_error(info.value, training_started=False)

@@ -48,5 +48,5 @@ def test_negative_optimizer_settings_fail_at_construction(model_dir, kwargs, mes
 def test_bad_model_init_kwargs_name_the_setting(model_dir):
     module = GRPOModule(model_dir, model_init_kwargs={"attn_implementation": "no_such_kernel"}, save_final_model=False)
     with pytest.raises(ValueError, match=r"model\.model_init_kwargs=\{'attn_implementation': 'no_such_kernel'\}: "
-                                         r"AutoModelForCausalLM\.from_pretrained\(.*\) refused them"):
+                                         r"AutoModelForCausalLM\.from_pretrained\(.*\) failed with them"):
         module.configure_model()

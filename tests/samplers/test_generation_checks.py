@@ -25,7 +25,7 @@ def kwargs(**values) -> GenerationParams:
 
 
 @pytest.mark.parametrize("field, value, rule", [
-    ("top_p", 1.5, r"in \(0, 1\]"), ("top_p", 0.0, r"in \(0, 1\]"), ("top_k", -1, ">= 0"),
+    ("top_p", 1.5, r"in \(0, 1\]"), ("top_p", 0.0, r"in \(0, 1\]"), ("top_k", -2, ">= 0"),
     ("min_p", 1.5, r"in \[0, 1\]"), ("min_p", -0.1, r"in \[0, 1\]"), ("repetition_penalty", 0.0, "> 0"),
 ])
 def test_sampling_fields_out_of_range(field, value, rule):
@@ -36,6 +36,7 @@ def test_sampling_fields_out_of_range(field, value, rule):
 def test_sampling_fields_at_their_bounds_are_accepted():
     GenerationParams(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     GenerationParams(top_p=0.01, min_p=1.0, repetition_penalty=0.5)
+    assert GenerationParams(top_k=-1).top_k == 0  # vLLM's old "disabled"
 
 
 @pytest.mark.parametrize("sampler", ["hf_generate", "continuous_batching", "fast_generate"])
@@ -78,7 +79,7 @@ def test_real_hf_settings_pass():
     get_sampler("hf_generate").check_generation(kwargs(no_repeat_ngram_size=3, min_new_tokens=1, do_sample=True))
 
 
-@pytest.mark.parametrize("key", ["seed", "logprobs"])
+@pytest.mark.parametrize("key", ["seed", "logprobs", "stop_token_ids"])
 def test_settings_the_vllm_samplers_own(key):
     for sampler in (VLLMColocateSampler(), VLLMServerSampler(base_url="http://127.0.0.1:1")):
         with pytest.raises(ConfigError, match=rf"generation_kwargs\.{key}=1 cannot be set with data\.sampler: vllm_"):

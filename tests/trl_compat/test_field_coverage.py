@@ -179,6 +179,12 @@ def test_values_convert_as_documented(kwargs, key, expected, tmp_path):
     assert value == expected
 
 
+def test_num_generations_eval_zero_means_num_generations(tmp_path):
+    """TRL reads ``num_generations_eval or num_generations``: 0 leaves the datamodule's default."""
+    assert "num_generations_eval" not in _yaml(output_dir=str(tmp_path), num_generations_eval=0)["data"]
+    assert _yaml(output_dir=str(tmp_path), num_generations_eval=4)["data"]["num_generations_eval"] == 4
+
+
 def test_eval_schedule_counts_micro_steps(tmp_path):
     text = config_to_yaml(GRPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=5,
                                      gradient_accumulation_steps=4), eval_dataset=_dataset())
