@@ -31,7 +31,7 @@ from grpo_lightning.cli.error_context import component_key, with_setting
 from grpo_lightning.cli.parser import COMPONENTS, GRPOArgumentParser, expand_component_names
 from grpo_lightning.cli.run_dir import check_run_dir
 from grpo_lightning.data import RolloutDataModule
-from grpo_lightning.data.run_summary import check_trainer_settings, check_training_length
+from grpo_lightning.data.run_summary import check_trainer_settings
 from grpo_lightning.errors import DEBUG_ENV, debug_enabled, find_user_error, user_message
 from grpo_lightning.module import GRPOModule
 
@@ -209,9 +209,7 @@ class GRPOLightningCLI(LightningCLI):
             if key in config:
                 config[key] = expanded[key]
         trainer = config.trainer
-        check_training_length(trainer.max_steps, trainer.max_epochs)
-        check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps, trainer.val_check_interval,
-                               trainer.check_val_every_n_epoch, trainer.limit_train_batches)
+        check_trainer_settings(trainer)  # the run length too
         if self.subcommand:  # a run (fit, validate, ...), not a parse of the config (run=False)
             check_accelerator(trainer.accelerator)
         if self.subcommand == "fit":

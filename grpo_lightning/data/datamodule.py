@@ -23,14 +23,10 @@ from grpo_lightning.data.micro_steps import (
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
 from grpo_lightning.data.prompt_format import check_completion_fits, check_system_prompt, format_row
-from grpo_lightning.data.resume_state import (
-    check_same_plan, resumed_prompt_order, run_plan, table_from_state, table_state,
-)
+from grpo_lightning.data.resume_state import check_same_plan, resumed_prompt_order, run_plan, table_from_state, table_state
 from grpo_lightning.data.collective import trainer_collective
 from grpo_lightning.data.rollout_builder import RolloutBuilder, RolloutSettings
-from grpo_lightning.data.run_summary import (
-    check_data_settings, check_sizes, check_trainer_settings, check_training_length, run_summary,
-)
+from grpo_lightning.data.run_summary import check_data_settings, check_sizes, check_trainer_settings, run_summary
 from grpo_lightning.data.trainer_state import build_trainer_state
 from grpo_lightning.data.weight_sync import WeightSync
 from grpo_lightning.rewards.loading import resolve_reward_funcs
@@ -215,7 +211,6 @@ class RolloutDataModule(pl.LightningDataModule):
         self.schedule: MicroStepSchedule | None = None
         self.prompt_order: PromptOrder | None = None
         self.micro_steps_done = 0  # micro-steps actually trained (not prefetched): the resume point
-        self._retrain_in_flight = False  # resumed from a checkpoint a failing training step wrote
         self.num_tokens = 0
         self.buffer = GenerationBuffer()
         self.run_plan: dict[str, Any] = {}  # what a resumed run must not change (resume_state.PLAN_KEYS)
@@ -243,10 +238,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _setup_training(self, handle: Any) -> None:
         trainer = self.trainer
-        check_training_length(trainer.max_steps, trainer.max_epochs)
-        check_trainer_settings(trainer.gradient_clip_val, trainer.log_every_n_steps,
-                               getattr(trainer, "val_check_interval", None),  # unset for a time interval
-                               trainer.check_val_every_n_epoch, trainer.limit_train_batches)
+        check_trainer_settings(trainer)  # the run length too
         plan = plan_generation_batches(
             self.per_device_train_batch_size, self.num_generations, trainer.world_size,
             self.generation_batch_size, self.steps_per_generation, trainer.accumulate_grad_batches,
@@ -329,12 +321,11 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def micro_batch(self, ref: MicroStepRef) -> RolloutBatch:
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
-        batches, fresh = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
+        batches, unlogged = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
                                                  self.trainer.strategy.root_device)
         batch = batches[ref.micro_index]
-        if not ((fresh or self._retrain_in_flight) and ref.micro_index == 0 and ref.iteration == 0):
+        if not (unlogged and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
-        self._retrain_in_flight = False
         batch.iteration = ref.iteration
         assert self.schedule is not None
         accumulate = self.trainer.accumulate_grad_batches
@@ -388,15 +379,13 @@ class RolloutDataModule(pl.LightningDataModule):
         seed = self.prompt_order.seed if self.prompt_order is not None else None
         ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state()])
         trained = trained_micro_steps(self.micro_steps_done, self.trainer)  # a failed step is trained again
-        return {"micro_steps_done": trained, "in_flight": trained < self.micro_steps_done,
-                "num_tokens": self.num_tokens, "seed": seed,
-                "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
+        return {"micro_steps_done": trained, "in_flight": trained < self.micro_steps_done, "num_tokens": self.num_tokens,
+                "seed": seed, "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_same_plan(state_dict.get("plan"), self.run_plan)
         self.micro_steps_done = int(state_dict["micro_steps_done"])
-        self._retrain_in_flight = bool(state_dict.get("in_flight"))  # its generation metrics were never logged
         self.num_tokens = int(state_dict["num_tokens"])
         if self.prompt_order is not None and self.seed is None:  # the order's seed came from the global seed
             self.prompt_order = resumed_prompt_order(self.prompt_order, state_dict.get("seed"))
@@ -404,5 +393,5 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
             self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")
-        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None)
+        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None, bool(state_dict.get("in_flight")))
 

@@ -67,27 +67,33 @@ def check_training_length(max_steps: int | None, max_epochs: int | None) -> None
         )
 
 
-def check_trainer_settings(
-    gradient_clip_val: float | None, log_every_n_steps: int | None, val_check_interval: int | float | None,
-    check_val_every_n_epoch: int | None, limit_train_batches: int | float | None,
-) -> None:
+def check_trainer_settings(trainer: Any) -> None:
     """Reject trainer settings Lightning accepts but that train wrongly or fail after the first step:
-    a negative clip threshold (clipping to a negative norm flips every gradient: gradient ascent),
+    the run length (:func:`check_training_length`), a negative clip threshold (clipping to a
+    negative norm flips every gradient: gradient ascent),
     and intervals of 0 (a division by zero once logging or validation is due; no training at all).
 
-    >>> check_trainer_settings(1.0, 10, None, 1, 1.0)
-    >>> check_trainer_settings(-1.0, 10, None, 1, 1.0)
+    ``trainer``: a Lightning ``Trainer``, or the CLI's ``trainer`` config section (same names).
+    Lightning leaves ``val_check_interval`` unset for a time interval (``"00:00:10:00"``).
+
+    >>> from types import SimpleNamespace as Settings
+    >>> check_trainer_settings(Settings(gradient_clip_val=1.0, log_every_n_steps=10, val_check_interval=None,
+    ...                                 check_val_every_n_epoch=1, limit_train_batches=1.0))
+    >>> check_trainer_settings(Settings(gradient_clip_val=-1.0, log_every_n_steps=10))
     Traceback (most recent call last):
     ...
     grpo_lightning.errors.ConfigError: trainer.gradient_clip_val=-1.0: ...
     """
+    check_training_length(getattr(trainer, "max_steps", None), getattr(trainer, "max_epochs", None))
+    gradient_clip_val = getattr(trainer, "gradient_clip_val", None)
+    limit_train_batches = getattr(trainer, "limit_train_batches", None)
     if gradient_clip_val is not None and gradient_clip_val < 0:
         raise ConfigError(
             f"trainer.gradient_clip_val={gradient_clip_val}: it must be > 0 (the largest gradient norm or value "
             "kept), or null / 0 for no clipping. A negative threshold would flip the gradients' sign."
         )
-    for key, value in (("log_every_n_steps", log_every_n_steps), ("val_check_interval", val_check_interval),
-                       ("check_val_every_n_epoch", check_val_every_n_epoch)):
+    for key in ("log_every_n_steps", "val_check_interval", "check_val_every_n_epoch"):
+        value = getattr(trainer, key, None)
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)  # not a time ("00:00:10:00")
         if numeric and value <= 0:
             raise ConfigError(
