@@ -171,6 +171,19 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
 
 
+def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None):
+    """Four seeded optimizer steps of a tiny model into ``root`` (``on_exception.ckpt`` on a failure,
+    resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` observes."""
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(root),
+                         callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
+    data = RolloutDataModule(write_prompts(inputs / "p.jsonl"), reward_funcs=[reward], num_generations=4,
+                             per_device_train_batch_size=8, seed=1, generation=GenerationParams(max_completion_length=6))
+    pl.seed_everything(0)
+    trainer.fit(module_class(make_model_dir(inputs / "m"), learning_rate=5e-2, save_final_model=False), data,
+                ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+
+
 class FailOnce:
     """A length reward that raises once, at its ``fail_at``-th call (a judge that timed out)."""
 
@@ -200,15 +213,7 @@ def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_
 
     def fit(root, reward, ckpt_path=None):
         record = Rewards()
-        trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=str(root),
-                             callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
-        data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[reward], num_generations=4,
-                                 per_device_train_batch_size=8, seed=1,
-                                 generation=GenerationParams(max_completion_length=6))
-        pl.seed_everything(0)
-        trainer.fit(GRPOModule(make_model_dir(tmp_path / "m"), learning_rate=5e-2, save_final_model=False), data,
-                    ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+        fit_four_steps(root, tmp_path, record, reward=reward, ckpt_path=ckpt_path)
         return record.by_step
 
     straight = fit(tmp_path / "straight", FailOnce(None))
@@ -243,16 +248,8 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path):
 
     def fit(root, fail_at=None, ckpt_path=None):
         record = Steps()
-        trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=str(root),
-                             callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
-        data = RolloutDataModule(write_prompts(tmp_path / "p.jsonl"), reward_funcs=[length_reward], num_generations=4,
-                                 per_device_train_batch_size=8, seed=1,
-                                 generation=GenerationParams(max_completion_length=6))
         module_class = type("Module", (FailingStep,), {"fail_at": fail_at, "calls": 0})
-        pl.seed_everything(0)
-        trainer.fit(module_class(make_model_dir(tmp_path / "m"), learning_rate=5e-2, save_final_model=False), data,
-                    ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+        fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path)
         return record.by_step
 
     straight = fit(tmp_path / "straight")
