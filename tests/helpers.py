@@ -5,10 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lightning.pytorch.loggers.logger import Logger
+
 from grpo_lightning.utils.ports import free_port  # noqa: F401  (re-exported for the tests)
 from grpo_lightning.utils.tiny_models import build_char_tokenizer, build_tiny_causal_lm
 
 ALPHABET = "0123456789+=abc "
+
+
+class MemoryLogger(Logger):
+    """A logger that keeps every ``log_metrics`` call: ``rows`` of ``(step, metrics)``."""
+
+    name, version = "memory", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
 
 
 def make_model_dir(path: Path, architecture: str = "llama", seed: int = 0) -> str:

@@ -18,7 +18,7 @@ from grpo_lightning.data.dynamic_sampling import DynamicSampler, DynamicSampling
 from grpo_lightning.data.evaluation import EvalPlan, EvalRef, EvalStream, eval_sources, eval_step_seed, isolated_rng
 from grpo_lightning.data.generation_buffer import GenerationBuffer
 from grpo_lightning.data.micro_steps import (
-    DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, trained_micro_steps, window_steps,
+    DescriptorLoader, MicroStepRef, MicroStepSchedule, MicroStepStream, resume_position, window_steps,
 )
 from grpo_lightning.data.prompt_order import GenerationPlan, PromptOrder, data_seed, plan_generation_batches, shuffle_seed
 from grpo_lightning.data.prompt_sets import load_prompt_sets
@@ -321,14 +321,15 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def micro_batch(self, ref: MicroStepRef) -> RolloutBatch:
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
+        assert self.schedule is not None
+        accumulate = self.trainer.accumulate_grad_batches
+        first = self.schedule.window_start_ref(ref.step, accumulate)  # its window's batches are kept for a replay
         batches, unlogged = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
-                                                 self.trainer.strategy.root_device)
+                                                 self.trainer.strategy.root_device, keep_from=(first.epoch, first.generation))
         batch = batches[ref.micro_index]
         if not (unlogged and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
-        assert self.schedule is not None
-        accumulate = self.trainer.accumulate_grad_batches
         steps = window_steps(ref.step, self.schedule.steps_per_epoch, accumulate)
         return replace(batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate)
 
@@ -375,11 +376,12 @@ class RolloutDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         """The prompt position and data plan, and each rank's RNG streams and generation buffer
-        (gathered: every rank calls this when a checkpoint is written, rank 0 saves it)."""
+        (gathered: every rank calls this when a checkpoint is written, rank 0 saves it). Inside an
+        accumulation window the position is its start: the window is trained again (``utils/accumulation_window.py``)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
         ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state()])
-        trained = trained_micro_steps(self.micro_steps_done, self.trainer)  # a failed step is trained again
-        return {"micro_steps_done": trained, "in_flight": trained < self.micro_steps_done, "num_tokens": self.num_tokens,
+        position = resume_position(self.micro_steps_done, self.trainer)
+        return {"micro_steps_done": position, "replay": position < self.micro_steps_done, "num_tokens": self.num_tokens,
                 "seed": seed, "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}
 
@@ -393,5 +395,6 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
             self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")
-        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None, bool(state_dict.get("in_flight")))
+        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None,
+                                bool(state_dict.get("replay", state_dict.get("in_flight"))))  # its former name
 

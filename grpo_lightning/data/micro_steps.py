@@ -14,6 +14,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from grpo_lightning.utils.accumulation_window import micro_steps_into_window
+
 
 # Not frozen (nor EvalRef): under ``*-true`` precision Lightning passes every batch through the
 # precision plugin's ``convert_input``, which rebuilds a dataclass by setting each field on a copy.
@@ -45,6 +47,10 @@ class MicroStepSchedule:
         generation, within_generation = divmod(within_epoch, self.steps_per_generation * self.num_iterations)
         iteration, micro_index = divmod(within_generation, self.steps_per_generation)
         return MicroStepRef(step, epoch, generation, iteration, micro_index)
+
+    def window_start_ref(self, step: int, accumulate: int) -> MicroStepRef:
+        """The first micro-step of the optimizer step that micro-step ``step`` belongs to."""
+        return self.ref(window_start(step, self.steps_per_epoch, accumulate))
 
 
 class MicroStepStream(IterableDataset):
@@ -81,15 +87,26 @@ def window_steps(step: int, steps_per_epoch: int, accumulate: int) -> int:
     return min(accumulate, steps_per_epoch - (within - within % accumulate))
 
 
-def trained_micro_steps(fetched: int, trainer: object) -> int:
-    """Micro-steps trained of the ``fetched`` ones: all but a training step that is running now (a
-    checkpoint written when it failed: Lightning's batch progress shows it ready, not processed), so
-    a resumed run trains that step again instead of skipping it."""
+def window_start(step: int, steps_per_epoch: int, accumulate: int) -> int:
+    """The first micro-step of the optimizer step that micro-step ``step`` belongs to (windows
+    restart with each epoch, as in :func:`window_steps`).
+
+    >>> [window_start(s, steps_per_epoch=5, accumulate=2) for s in range(7)]
+    [0, 0, 2, 2, 4, 5, 5]
+    """
+    within = step % steps_per_epoch
+    return step - within % accumulate
+
+
+def resume_position(fetched: int, trainer: object) -> int:
+    """The micro-step a checkpoint written now resumes at, of the ``fetched`` ones: after the last
+    one trained, not counting a training step that is running now (a checkpoint written when it
+    failed: Lightning's batch progress shows it ready, not processed), and back to the start of the
+    open accumulation window, whose gradients a checkpoint does not hold (``utils/accumulation_window.py``)."""
     progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
-    if progress is None or not getattr(trainer, "training", False):
-        return fetched
-    current = progress.current
-    return fetched - 1 if fetched > 0 and current.ready > current.processed else fetched
+    in_flight = (progress is not None and getattr(trainer, "training", False) and fetched > 0
+                 and progress.current.ready > progress.current.processed)
+    return fetched - int(in_flight) - micro_steps_into_window(trainer)
 
 
 class DescriptorLoader(DataLoader):

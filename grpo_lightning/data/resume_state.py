@@ -9,7 +9,9 @@ Layer L4 (data side). ``RolloutDataModule.state_dict`` stores, besides the promp
   (the rollouts of a generation batch that spans several optimizer steps when ``num_iterations``
   or ``steps_per_generation`` replay it). Checkpoints are saved at optimizer-step ends, which can
   fall inside a generation batch; restoring its rollouts (instead of regenerating them) keeps the
-  remaining micro-steps identical.
+  remaining micro-steps identical. One written inside an accumulation window resumes at the
+  window's start (``utils/accumulation_window.py``) and replays the rollouts of every generation
+  batch the window drew from.
 
 The RNG snapshot is taken when the checkpoint is written (after the step's optimizer update) and
 applied right before the next training generation, the first consumer in an uninterrupted run.
@@ -30,6 +32,9 @@ from grpo_lightning.errors import ConfigError
 from grpo_lightning.types import CompletionTable, RolloutBatch
 
 log = logging.getLogger(__name__)
+
+#: A training generation batch: ``(epoch, generation within the epoch)``.
+GenerationKey = tuple[int, int]
 
 #: Settings that fix which prompts each micro-step trains on; a resume must not change them.
 PLAN_KEYS = (
@@ -94,21 +99,23 @@ def resumed_prompt_order(order: PromptOrder, saved_seed: int | None) -> PromptOr
     return PromptOrder(order.num_rows, order.prompts_per_generation, order.shuffle, saved_seed)
 
 
-def rank_state(buffer_key: tuple[int, int] | None, buffer: Sequence[RolloutBatch],
+def rank_state(held: Sequence[tuple[GenerationKey, Sequence[RolloutBatch]]],
                rng: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's part of a checkpoint: its RNG streams (``rng``, a :func:`rng_snapshot`, in
-    place of the live ones when given) and its generation buffer."""
-    return {"rng": rng if rng is not None else rng_snapshot(), "buffer_key": buffer_key,
-            "buffer": [batch_state(b) for b in buffer] if buffer_key is not None else []}
+    place of the live ones when given) and the generation batches it holds, oldest first."""
+    return {"rng": rng if rng is not None else rng_snapshot(),
+            "held": [[list(key), [batch_state(b) for b in batches]] for key, batches in held]}
 
 
 def restore_rank_state(state: Mapping[str, Any], device: torch.device | str
-                       ) -> tuple[tuple[int, int] | None, list[RolloutBatch]]:
-    """Apply a :func:`rank_state`: set the RNG streams, return the buffer key and its rollouts."""
+                       ) -> list[tuple[GenerationKey, list[RolloutBatch]]]:
+    """Apply a :func:`rank_state`: set the RNG streams, return the generation batches it held."""
     restore_rng(state["rng"])
-    if state.get("buffer_key") is None:
-        return None, []
-    return tuple(state["buffer_key"]), [batch_from_state(b, device) for b in state["buffer"]]
+    if "held" not in state:  # written before several generation batches could be held
+        held = [] if state.get("buffer_key") is None else [(state["buffer_key"], state["buffer"])]
+    else:
+        held = state["held"]
+    return [(tuple(key), [batch_from_state(b, device) for b in batches]) for key, batches in held]
 
 
 def rng_snapshot() -> dict[str, Any]:
@@ -184,7 +191,7 @@ def _plain(value: Any) -> bool:
 
 
 __all__ = [
-    "PLAN_DEFAULTS", "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
+    "GenerationKey", "PLAN_DEFAULTS", "PLAN_KEYS", "batch_from_state", "batch_state", "check_same_plan", "dataset_digest", "rank_state",
     "restore_rank_state", "restore_rng", "resumed_prompt_order", "rng_snapshot", "run_plan", "table_from_state",
     "table_state",
 ]

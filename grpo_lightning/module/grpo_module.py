@@ -36,6 +36,7 @@ from grpo_lightning.module.training_forward import LossTerms, add_router_aux_los
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
+from grpo_lightning.utils.accumulation_window import micro_steps_into_window, rewind_batch_progress
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 
@@ -363,7 +364,11 @@ class GRPOModule(pl.LightningModule):
         return self._trainer is not None and self._fit_end.released(self.trainer.optimizers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checked not to follow a released optimizer state; written inside an accumulation window,
+        Lightning's batch progress goes back to the window's start (``utils/accumulation_window.py``)."""
         self._fit_end.check_checkpoint(self.trainer.optimizers)
+        if "loops" in checkpoint:
+            rewind_batch_progress(checkpoint["loops"], micro_steps_into_window(self.trainer))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
@@ -60,6 +61,14 @@ def world_row_mean(value: torch.Tensor, rows: int, all_reduce: AllReduce | None)
     return total / count, count
 
 
+@dataclass(frozen=True)
+class WindowMark:
+    """How many values of each metric a :class:`MetricsWindow` held, and its latest values."""
+
+    lengths: dict[str, int]
+    latest: dict[str, float]
+
+
 class MetricsWindow:
     """Collects metric values between two logging events; a value may carry a weight (the rows it
     covers: ``eval_loss`` is HF's per-row mean, not a mean over evaluation steps)."""
@@ -80,10 +89,19 @@ class MetricsWindow:
     def __bool__(self) -> bool:
         return bool(self._values) or bool(self._latest)
 
-    def state_dict(self) -> dict[str, dict]:
-        """What was added since the last flush (plain lists and floats: a checkpoint holds it)."""
-        return {"values": {k: list(v) for k, v in self._values.items()},
-                "weights": {k: list(v) for k, v in self._weights.items()}, "latest": dict(self._latest)}
+    def mark(self) -> WindowMark:
+        """A mark of what is held now, for :meth:`state_dict` to leave out what is added after it."""
+        return WindowMark({k: len(v) for k, v in self._values.items()}, dict(self._latest))
+
+    def state_dict(self, upto: WindowMark | None = None) -> dict[str, dict]:
+        """What was added since the last flush (plain lists and floats: a checkpoint holds it), up
+        to the :meth:`mark` ``upto`` when given."""
+        def kept(name: str) -> int | None:
+            return None if upto is None else upto.lengths.get(name, 0)
+
+        return {"values": {k: v[:kept(k)] for k, v in self._values.items() if kept(k) != 0},
+                "weights": {k: v[:kept(k)] for k, v in self._weights.items() if kept(k) != 0},
+                "latest": dict(self._latest if upto is None else upto.latest)}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         self._values = defaultdict(list, {k: list(v) for k, v in state["values"].items()})
@@ -129,6 +147,8 @@ class TrainingMetrics:
         self._log = MetricsWindow()
         self._pending: list[dict[str, MetricValue]] = []
         self._all_reduce: AllReduce | None = None
+        self._at_step_end = self._log.mark()  # the loggers' window when the last optimizer step ended
+        self._window_open = False  # values of an unfinished optimizer step were added since
         self.loss: torch.Tensor | float = 0.0
         self.seconds = 0.0
         self.batch_started = 0.0
@@ -138,6 +158,7 @@ class TrainingMetrics:
         self._pending.append({name: MetricValue(m.total.detach(), m.count.detach(), m.reduce)
                               for name, m in metrics.items()})
         self._all_reduce = all_reduce
+        self._window_open = True
 
     def _resolve(self) -> None:
         """The pending micro-steps' global values, each appended in micro-step order."""
@@ -146,7 +167,7 @@ class TrainingMetrics:
         merged = {(index, name): value for index, metrics in enumerate(self._pending) for name, value in metrics.items()}
         values = reduce_metric_values(merged, self._all_reduce)  # the same keys in the same order on every rank
         for index in range(len(self._pending)):
-            self.add({name: value for (i, name), value in values.items() if i == index})
+            self._add({name: value for (i, name), value in values.items() if i == index})
         self._pending.clear()
 
     def step_seconds(self) -> float:
@@ -154,30 +175,42 @@ class TrainingMetrics:
         return self.seconds + time.perf_counter() - self.batch_started
 
     def add(self, values: dict[str, float]) -> None:
+        """Values of the running optimizer step (a generation batch's metrics)."""
+        self._add(values)
+        self._window_open = True
+
+    def _add(self, values: dict[str, float]) -> None:
         self._step.add(values)
         self._log.add(values)
 
     def close_step(self, once_per_step: dict[str, float]) -> dict[str, float]:
         """Add the once-per-step values and return the finished step's metrics (NaNs dropped)."""
         self._resolve()
-        self.add(once_per_step)
+        self._add(once_per_step)
         self.loss, self.seconds = 0.0, 0.0
+        self._at_step_end, self._window_open = self._log.mark(), False
         return {name: value for name, value in self._step.flush().items() if not math.isnan(value)}
 
     def flush_log(self) -> dict[str, float]:
         """The loggers' values since the last log (NaNs dropped), then cleared."""
         self._resolve()
-        return {name: value for name, value in self._log.flush().items() if not math.isnan(value)}
+        out = {name: value for name, value in self._log.flush().items() if not math.isnan(value)}
+        self._at_step_end = self._log.mark()
+        return out
 
     def __bool__(self) -> bool:
         return bool(self._log) or bool(self._pending)
 
     def state_dict(self) -> dict[str, dict]:
         """The loggers' window since the last log: a run resumed from a checkpoint written between two
-        logs (``log_every_n_steps > 1``) logs the same averages as one that never stopped. Taken at
-        a step's end, where the step window is empty."""
+        logs (``log_every_n_steps > 1``) logs the same averages as one that never stopped. Written
+        inside an optimizer step (a failure in a micro-step), the window as that step started: the
+        resumed run trains the step again from its start (``utils/accumulation_window.py``)."""
+        if self._window_open:
+            return {"log": self._log.state_dict(upto=self._at_step_end)}
         self._resolve()
         return {"log": self._log.state_dict()}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         self._log.load_state_dict(state["log"])
+        self._at_step_end, self._window_open = self._log.mark(), False

@@ -19,7 +19,7 @@ from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.types import GenerationParams
-from tests.helpers import fit_config, length_reward, make_model_dir, write_config, write_prompts
+from tests.helpers import MemoryLogger, fit_config, length_reward, make_model_dir, write_config, write_prompts
 
 
 def _save(path, step):
@@ -171,17 +171,38 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
 
 
-def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None):
+def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None,
+                   accumulate=1, steps_per_generation=None):
     """Four seeded optimizer steps of a tiny model into ``root`` (``on_exception.ckpt`` on a failure,
-    resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` observes."""
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(root),
+    resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` (a
+    :class:`StepRecord`) observes, logging every 3 steps."""
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=record.logger, log_every_n_steps=3, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(root), accumulate_grad_batches=accumulate,
                          callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
     data = RolloutDataModule(write_prompts(inputs / "p.jsonl"), reward_funcs=[reward], num_generations=4,
-                             per_device_train_batch_size=8, seed=1, generation=GenerationParams(max_completion_length=6))
+                             per_device_train_batch_size=8, seed=1, generation=GenerationParams(max_completion_length=6),
+                             steps_per_generation=steps_per_generation)
     pl.seed_everything(0)
     trainer.fit(module_class(make_model_dir(inputs / "m"), learning_rate=5e-2, save_final_model=False), data,
                 ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
+
+
+class StepRecord(pl.Callback):
+    """Each optimizer step's reward and loss, by step, and what the run logged (``logged``)."""
+
+    def __init__(self):
+        self.by_step, self.logger = {}, MemoryLogger()
+
+    def logged(self, after_step=0):
+        """The logged rows after ``after_step``, without wall times."""
+        return [(step, {k: v for k, v in row.items() if "time" not in k}) for step, row in self.logger.rows
+                if step > after_step]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # inside an accumulation window: no step was published
+        metrics = pl_module.step_metrics
+        self.by_step[trainer.global_step] = (metrics["reward"], metrics["loss"])
 
 
 class FailOnce:
@@ -199,35 +220,47 @@ class FailOnce:
         return length_reward(completions, **kwargs)
 
 
-def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_it(tmp_path):
-    """The failure happens while step 3 samples: ``on_exception.ckpt`` holds the RNG as it was
-    before that generation (not what the failed sampling left), so the resume samples step 3 as
-    a run that never failed does: the same rewards at every step."""
+# (trainer.accumulate_grad_batches, data.steps_per_generation, the failing call): one micro-step per
+# optimizer step; the first micro-step of step 3's window; its second, whose window started in the
+# same generation batch or (one micro-step per generation batch) in the one before.
+WINDOWS = {"no accumulation": (1, None, 3), "window start": (2, None, 5), "mid window": (2, None, 6),
+           "mid window, two generations": (2, 1, 6)}
 
-    class Rewards(pl.Callback):
-        def __init__(self):
-            self.by_step = {}
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.by_step[trainer.global_step] = pl_module.step_metrics["reward"]
+@pytest.mark.parametrize("accumulate, steps_per_generation, fail_at",
+                         [WINDOWS["no accumulation"], (2, None, 3), WINDOWS["mid window, two generations"]],
+                         ids=["no accumulation", "window start", "mid window, two generations"])
+def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_it(
+        tmp_path, accumulate, steps_per_generation, fail_at):
+    """The failure happens while step 3 samples (the ``fail_at``-th generation batch): ``on_exception.ckpt``
+    holds the RNG as it was before that generation (not what the failed sampling left), so the
+    resume samples step 3 as a run that never failed does: the same rewards at every step. A
+    failure inside an accumulation window resumes at its start, replaying the generation batches it
+    already drew from the checkpoint."""
 
     def fit(root, reward, ckpt_path=None):
-        record = Rewards()
-        fit_four_steps(root, tmp_path, record, reward=reward, ckpt_path=ckpt_path)
-        return record.by_step
+        record = StepRecord()
+        fit_four_steps(root, tmp_path, record, reward=reward, ckpt_path=ckpt_path, accumulate=accumulate,
+                       steps_per_generation=steps_per_generation)
+        return record
 
     straight = fit(tmp_path / "straight", FailOnce(None))
     with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", FailOnce(3))
+        fit(tmp_path / "failed", FailOnce(fail_at))
     resumed = fit(tmp_path / "failed", FailOnce(None), "last")
-    assert sorted(resumed) == [3, 4]
-    assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
+    assert sorted(resumed.by_step) == [3, 4]
+    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    assert resumed.logged() == straight.logged(after_step=2)
 
 
-def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path):
-    """The failure happens in step 3's training step, after its micro-batch was generated:
-    ``on_exception.ckpt`` does not count that micro-step as trained, so the resumed run trains step 3
-    on the same micro-batch as a run that never failed (the same rewards and losses at every step)."""
+@pytest.mark.parametrize("accumulate, steps_per_generation, fail_at", list(WINDOWS.values()), ids=list(WINDOWS))
+def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, accumulate, steps_per_generation,
+                                                                     fail_at):
+    """The failure happens in a micro-step of step 3 (the ``fail_at``-th training step), after its
+    micro-batch was generated: ``on_exception.ckpt`` does not count that micro-step as trained, and
+    one inside an accumulation window resumes at the window's start (the gradients gathered before
+    the failure are not in a checkpoint), so the resumed run trains step 3 on the same micro-batches
+    as a run that never failed: the same rewards and losses at every step."""
 
     class FailingStep(GRPOModule):
         fail_at: int | None = None
@@ -238,23 +271,17 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path):
                 raise RuntimeError("device error (simulated)")
             return super().training_step(batch, batch_idx)
 
-    class Steps(pl.Callback):
-        def __init__(self):
-            self.by_step = {}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            metrics = pl_module.step_metrics
-            self.by_step[trainer.global_step] = (metrics["reward"], metrics["loss"])
-
     def fit(root, fail_at=None, ckpt_path=None):
-        record = Steps()
+        record = StepRecord()
         module_class = type("Module", (FailingStep,), {"fail_at": fail_at, "calls": 0})
-        fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path)
-        return record.by_step
+        fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path, accumulate=accumulate,
+                       steps_per_generation=steps_per_generation)
+        return record
 
     straight = fit(tmp_path / "straight")
     with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", fail_at=3)
+        fit(tmp_path / "failed", fail_at=fail_at)
     resumed = fit(tmp_path / "failed", ckpt_path="last")
-    assert sorted(resumed) == [3, 4]
-    assert [resumed[3], resumed[4]] == [straight[3], straight[4]]
+    assert sorted(resumed.by_step) == [3, 4]
+    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    assert resumed.logged() == straight.logged(after_step=2)  # the averages since the last log included

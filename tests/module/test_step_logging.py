@@ -4,27 +4,14 @@ travel in the checkpoint: a resumed run logs what one that never stopped logs.""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers.logger import Logger
 
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.types import GenerationParams
-from tests.helpers import length_reward, make_model_dir, write_prompts
-
-
-class MemoryLogger(Logger):
-    name, version = "memory", 0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict]] = []
-
-    def log_metrics(self, metrics, step=None):
-        self.rows.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
+from grpo_lightning.module.metrics import TrainingMetrics
+from grpo_lightning.types import GenerationParams, MetricValue
+from tests.helpers import MemoryLogger, length_reward, make_model_dir, write_prompts
 
 
 class CheckpointSeesLoggedSteps(ModelCheckpoint):
@@ -138,3 +125,24 @@ def test_eval_loss_is_a_mean_over_rows_not_over_validation_steps(tmp_path):
     window.load_state_dict({"values": {"loss": [1.0, 4.0]}, "latest": {}})
     window.add({"loss": 7.0}, weight=2.0)
     assert window.flush() == {"loss": (1.0 + 4.0 + 14.0) / 4}
+
+
+def test_a_checkpoint_inside_an_optimizer_step_holds_the_log_window_as_that_step_started():
+    """Written inside an accumulation window, the checkpoint's log window leaves out that window's
+    values (its micro-steps are trained again after the resume); at a step's end it holds all."""
+    metrics = TrainingMetrics()
+    metrics.add({"reward": 1.0, "num_tokens": 10.0})
+    metrics.add_micro_step({"clip_ratio": MetricValue(torch.tensor(0.5), torch.tensor(1.0), "mean")}, None)
+    metrics.close_step({"loss": 0.25})
+    at_step_end = metrics.state_dict()
+    metrics.add({"reward": 3.0, "num_tokens": 20.0})  # the next step's generation, then a failure
+    metrics.add_micro_step({"clip_ratio": MetricValue(torch.tensor(0.1), torch.tensor(1.0), "mean")}, None)
+    assert metrics.state_dict() == at_step_end
+    assert at_step_end["log"]["values"] == {"reward": [1.0], "clip_ratio": [0.5], "loss": [0.25]}
+    assert at_step_end["log"]["latest"] == {"num_tokens": 10.0}
+
+    resumed = TrainingMetrics()
+    resumed.load_state_dict(at_step_end)
+    resumed.add({"reward": 3.0, "num_tokens": 20.0})  # the window trained again
+    resumed.close_step({"loss": 0.75})
+    assert resumed.flush_log() == {"reward": 2.0, "num_tokens": 20.0, "clip_ratio": 0.5, "loss": 0.5}
