@@ -37,6 +37,17 @@ def checkpoint_dir(root_dir: str) -> str:
     return os.path.join(os.path.abspath(root_dir), CHECKPOINT_DIR)
 
 
+#: The file name of the periodic checkpoints (``checkpoint_every_n_steps``).
+PERIODIC_FILENAME = "step={step:07d}"
+
+
+def is_periodic_checkpoint(callback: Any) -> bool:
+    """Whether ``callback`` is the run's every-``checkpoint_every_n_steps`` ``ModelCheckpoint``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return isinstance(callback, ModelCheckpoint) and callback.filename == PERIODIC_FILENAME and callback.monitor == "step"
+
+
 def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
     """A ``ModelCheckpoint`` keeping the ``keep`` newest of its every-``every_n_steps`` checkpoints
     (``last.ckpt`` links to the newest), and an ``OnExceptionCheckpoint``, both in the run's folder."""
@@ -47,7 +58,7 @@ def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[An
                           "(trainer.enable_checkpointing: false turns checkpoints off).")
     folder = checkpoint_dir(root_dir)
     # monitor="step" (always a candidate) with mode max keeps the newest: top-k of the step number.
-    periodic = ModelCheckpoint(dirpath=folder, filename="step={step:07d}", auto_insert_metric_name=False,
+    periodic = ModelCheckpoint(dirpath=folder, filename=PERIODIC_FILENAME, auto_insert_metric_name=False,
                                every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
                                save_last="link", enable_version_counter=False)  # a resume re-links last.ckpt
     return [periodic, CheckpointOnException(os.path.join(folder, EXCEPTION_CHECKPOINT + ".ckpt"))]

@@ -18,7 +18,7 @@ from typing import Any
 from grpo_lightning.errors import ConfigError
 from grpo_lightning.trl_compat import convert_grpo, convert_training
 from grpo_lightning.trl_compat.builder import ConfigBuilder
-from grpo_lightning.trl_compat.convert_training import Context
+from grpo_lightning.trl_compat.convert_training import Context, epoch_fraction
 from grpo_lightning.trl_compat.field_map import not_applicable_reason
 
 CONVERTERS = {**convert_training.CONVERTERS, **convert_grpo.CONVERTERS}
@@ -59,10 +59,12 @@ def convert_config(config: Any, builder: ConfigBuilder, ctx: Context) -> None:
         converter(config, builder, ctx)
     # Last, so the converters' callbacks keep their places: transformers' flow of logs and evaluations.
     evaluate_at_end = config.eval_strategy == "steps" and ctx.has_eval_dataset
-    fraction = config.logging_steps if 0 < config.logging_steps < 1 and config.max_steps <= 0 else None
+    fractions = {"logging_fraction": epoch_fraction(config, config.logging_steps),
+                 "eval_fraction": epoch_fraction(config, config.eval_steps) if evaluate_at_end else None,
+                 "save_fraction": epoch_fraction(config, config.save_steps) if config.save_strategy == "steps" else None}
     builder.append("trainer.callbacks", {"class_path": FLOW_CALLBACK, "init_args": {
         "evaluate_at_end": evaluate_at_end, "log_first_step": bool(config.logging_first_step),
-        **({"logging_fraction": fraction} if fraction is not None else {})}})
+        **{name: value for name, value in fractions.items() if value is not None}}})
     defaults = _defaults()
     for f in fields(config):
         reason = not_applicable_reason(f.name)

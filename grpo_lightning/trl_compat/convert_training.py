@@ -50,15 +50,22 @@ class Context:
 
 
 def _steps(c: Any, name: str, value: float) -> int:
-    """A step count, or (below 1) a fraction of ``max_steps``, as transformers reads it."""
+    """A step count, or (below 1) a fraction of ``max_steps``, as transformers reads it. A fraction
+    of an epoch run's steps is 1 here: ``TRLStepFlow`` resolves it once the data is set up
+    (:func:`epoch_fraction`)."""
     if value >= 1:
         if value != int(value):
             raise ConfigError(f"GRPOConfig.{name}={value}: a step count above 1 must be a whole number.")
         return int(value)
     if c.max_steps <= 0:
-        raise ConfigError(f"GRPOConfig.{name}={value} is a fraction of the training steps, which are known only with "
-                          f"max_steps: set max_steps, or give {name} as a number of steps.")
+        return 1
     return max(1, math.ceil(c.max_steps * value))
+
+
+def epoch_fraction(c: Any, value: float | None) -> float | None:
+    """``value`` when it is a fraction of a run bounded by ``num_train_epochs`` (its steps are known
+    only once the data is set up), else ``None``."""
+    return value if value is not None and 0 < value < 1 and c.max_steps <= 0 else None
 
 
 def run_length(c: Any, b: ConfigBuilder, ctx: Context) -> None:
@@ -144,10 +151,7 @@ def logging(c: Any, b: ConfigBuilder, ctx: Context) -> None:
         raise ConfigError(f"GRPOConfig.logging_strategy={c.logging_strategy!r}: metrics are logged every "
                           "logging_steps optimizer steps only; use logging_strategy='steps' (report_to='none' "
                           "turns the trackers off).")
-    if 0 < c.logging_steps < 1 and c.max_steps <= 0:  # a fraction of an epoch run's steps: TRLStepFlow resolves it
-        b.set("trainer.log_every_n_steps", 1)
-    else:
-        b.set("trainer.log_every_n_steps", _steps(c, "logging_steps", c.logging_steps))
+    b.set("trainer.log_every_n_steps", _steps(c, "logging_steps", c.logging_steps))
     b.set("trainer.enable_progress_bar", not c.disable_tqdm)
     reports = [c.report_to] if isinstance(c.report_to, str) or c.report_to is None else list(c.report_to)
     reports = [r for r in reports if r not in (None, "none")]

@@ -29,6 +29,21 @@ def planned_steps(trainer: Any) -> int | None:
     return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
 
 
+def planned_steps_at_setup(trainer: Any) -> int | None:
+    """:func:`planned_steps` before the training loader exists (a callback's ``setup``, where a
+    setting that follows from it must be fixed before a checkpoint's callback states load): the
+    epochs' steps from the datamodule's micro-step schedule, as Lightning's
+    ``estimated_stepping_batches`` counts them; ``max_steps`` when there is no schedule."""
+    max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+    schedule = getattr(getattr(trainer, "datamodule", None), "schedule", None)
+    if schedule is None or trainer.max_epochs is None or trainer.max_epochs < 0:
+        return max_steps
+    batches, limit = schedule.steps_per_epoch, trainer.limit_train_batches
+    batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(trainer.max_epochs, 1)
+    return min(steps, max_steps) if max_steps else steps
+
+
 def _batches_per_epoch(trainer: Any) -> int | None:
     """Micro-batches in one epoch (transformers' ``len(train_dataloader)``), or ``None`` if unknown."""
     batches = getattr(trainer, "num_training_batches", None)

@@ -102,3 +102,20 @@ def test_steps_evaluation_runs_again_at_a_last_step_that_is_not_an_eval_step(tin
     assert [e["step"] for e in trainer.log_history if "eval_reward" in e] == [2, 3]
     assert [e["step"] for e in trainer.log_history if "loss" in e] == [2]  # no step log at the stop (step 3)
     assert trainer.state.max_steps == 3 and trainer.log_history[-1]["step"] == 3
+
+
+@pytest.mark.slow
+def test_fractional_eval_and_save_steps_in_an_epoch_run_are_fractions_of_its_planned_steps(tiny_model, tmp_path):
+    """transformers resolves ``eval_steps`` and ``save_steps`` below 1 against the steps the epochs
+    amount to (8 here): evaluations every 4 steps, checkpoints every 2."""
+    events = Events()
+    args = _args(tmp_path, max_steps=-1, num_train_epochs=2, logging_steps=4, eval_strategy="steps", eval_steps=0.5,
+                 per_device_eval_batch_size=4)
+    args.save_strategy, args.save_steps, args.save_total_limit = "steps", 0.25, 10
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, train_dataset=_four_prompts(),
+                          eval_dataset=_four_prompts(), args=args, callbacks=[events])
+    trainer.train()
+    assert [s for name, s in events.events if name == "on_evaluate"] == [4, 8]
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step=*.ckpt"))
+    assert saved == [f"step={step:07d}.ckpt" for step in (2, 4, 6, 8)]
+    assert (trainer.state.eval_steps, trainer.state.save_steps) == (4, 2)
