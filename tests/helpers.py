@@ -28,6 +28,13 @@ class MemoryLogger(Logger):
     def log_hyperparams(self, params, *args, **kwargs):
         pass
 
+    def by_step(self) -> dict[int, dict]:
+        """Every step's metrics, merged over the calls at that step."""
+        merged: dict[int, dict] = {}
+        for step, metrics in self.rows:
+            merged.setdefault(step, {}).update(metrics)
+        return merged
+
 
 def make_model_dir(path: Path, architecture: str = "llama", seed: int = 0) -> str:
     """Save a tiny random causal LM and its char tokenizer to ``path``; return the path."""

@@ -163,6 +163,9 @@ class DynamicSampler:
     rows_of: Callable[[Sequence[int]], list[dict[str, Any]]]
     batches_drawn: int = 0
     _warned: bool = field(default=False, init=False, repr=False)  # the cap warning is logged once
+    # batches_drawn when the running build started: a checkpoint written while it runs (on_exception:
+    # a sampler or reward failed) resumes before it, as the random streams do (GenerationBuffer)
+    _drawn_before_build: int | None = field(default=None, init=False, repr=False)
 
     def draw(self, order: PromptOrder) -> list[int]:
         """The next prompt batch of ``order`` (epoch after epoch)."""
@@ -172,7 +175,7 @@ class DynamicSampler:
 
     def build(self, order: PromptOrder, generator: torch.Generator | None, trainer_state: Any = None) -> GenerationBatch:
         """One generation batch of groups whose rewards differ (or, cap reached, as :class:`DynamicSampling` says)."""
-        started = time.perf_counter()
+        started, self._drawn_before_build = time.perf_counter(), self.batches_drawn
         b, s = self.builder, self.builder.settings
         needed = s.plan.prompts_per_generation
         rounds: list[_Round] = []
@@ -189,7 +192,9 @@ class DynamicSampler:
         if choice.padded:
             self._exhausted(choice, needed)
         sampled, counts = self._assemble(rounds, choice)
-        return b.finish(sampled, generator, counts, started, choice.metrics())
+        built = b.finish(sampled, generator, counts, started, choice.metrics())
+        self._drawn_before_build = None
+        return built
 
     def _exhausted(self, choice: GroupChoice, needed: int) -> None:
         found = needed - choice.padded
@@ -234,10 +239,12 @@ class DynamicSampler:
         return SampledRows([rollouts[r][i] for r, i in mine], scores), counts
 
     def state_dict(self) -> dict[str, int]:
-        return {"batches_drawn": self.batches_drawn}
+        """The resume position: the prompt batches drawn, not counting a build that is running."""
+        drawn = self.batches_drawn if self._drawn_before_build is None else self._drawn_before_build
+        return {"batches_drawn": drawn}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.batches_drawn = int(state["batches_drawn"])
+        self.batches_drawn, self._drawn_before_build = int(state["batches_drawn"]), None
 
 
 def _row_columns(gathered: Mapping[int, list[tuple[list[Any], dict[str, list[Any]]]]]) -> dict[str, dict[tuple[int, int], Any]]:

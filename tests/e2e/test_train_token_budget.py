@@ -14,7 +14,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from lightning.pytorch.loggers import Logger
 
 from grpo_lightning.data import RolloutDataModule
 from grpo_lightning.losses import DAPOLoss, get_loss
@@ -24,31 +23,9 @@ from grpo_lightning.types import GenerationParams
 from tests.e2e.same_step import assert_same_sgd_step, logit_bound
 from tests.module.test_forward_paths import reduction_size
 from tests.numerics import assert_close_f32
-from tests.helpers import built, free_port, length_reward, make_model_dir, write_prompts
+from tests.helpers import MemoryLogger, built, free_port, length_reward, make_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class RecordingLogger(Logger):
-    """Keeps every logged metric in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict[str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.metrics.append(dict(metrics))
 
 
 def one_step(model_dir, prompts, loss, forward: ForwardOptions, tmp_path, entropy_coef=0.0):
@@ -67,13 +44,13 @@ def one_step(model_dir, prompts, loss, forward: ForwardOptions, tmp_path, entrop
     module._policy_loss = counting
     data = RolloutDataModule(prompts, reward_funcs=[length_reward], num_generations=4, per_device_train_batch_size=4,
                              steps_per_generation=2, generation=GenerationParams(max_completion_length=8))
-    logger = RecordingLogger()
+    logger = MemoryLogger()
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=logger, enable_progress_bar=False, log_every_n_steps=1,
                          enable_model_summary=False, enable_checkpointing=False, accumulate_grad_batches=2,
                          default_root_dir=str(tmp_path))
     trainer.fit(module, data)
     weights = [p.detach().clone() for p in module.policy.parameters()]
-    return weights, logger.metrics[0], calls["parts"], data
+    return weights, logger.rows[0][1], calls["parts"], data
 
 
 @pytest.mark.slow
