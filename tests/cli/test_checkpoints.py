@@ -172,16 +172,20 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
 
 
 def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None,
-                   accumulate=1, steps_per_generation=None):
+                   accumulate=1, steps_per_generation=None, val_check_interval=None):
     """Four seeded optimizer steps of a tiny model into ``root`` (``on_exception.ckpt`` on a failure,
     resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` (a
-    :class:`StepRecord`) observes, logging every 3 steps."""
+    :class:`StepRecord`) observes, logging every 3 steps; validating every ``val_check_interval``
+    micro-steps when given."""
+    validation = {} if val_check_interval is None else dict(val_check_interval=val_check_interval,
+                                                           check_val_every_n_epoch=None, num_sanity_val_steps=0)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=record.logger, log_every_n_steps=3, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(root), accumulate_grad_batches=accumulate,
-                         callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2))
-    data = RolloutDataModule(write_prompts(inputs / "p.jsonl"), reward_funcs=[reward], num_generations=4,
-                             per_device_train_batch_size=8, seed=1, generation=GenerationParams(max_completion_length=6),
-                             steps_per_generation=steps_per_generation)
+                         callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2), **validation)
+    prompts = write_prompts(inputs / "p.jsonl")
+    data = RolloutDataModule(prompts, reward_funcs=[reward], num_generations=4, per_device_train_batch_size=8, seed=1,
+                             generation=GenerationParams(max_completion_length=6), steps_per_generation=steps_per_generation,
+                             eval_dataset=None if val_check_interval is None else prompts, per_device_eval_batch_size=8)
     pl.seed_everything(0)
     trainer.fit(module_class(make_model_dir(inputs / "m"), learning_rate=5e-2, save_final_model=False), data,
                 ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
@@ -285,3 +289,33 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, a
     assert sorted(resumed.by_step) == [3, 4]
     assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
     assert resumed.logged() == straight.logged(after_step=2)  # the averages since the last log included
+
+
+def test_a_run_failing_in_a_validation_inside_an_accumulation_window_resumes_exactly(tmp_path):
+    """Validation every 5 micro-steps falls inside step 3's window (micro-steps 4 and 5); it fails
+    there. The resumed run trains that window again, validates at the same point, and trains and
+    logs what a run that never failed does."""
+
+    class FailingValidation(GRPOModule):
+        fail = False
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            if type(self).fail and self.trainer.global_step == 2:
+                raise RuntimeError("evaluation failed (simulated)")
+            return super().validation_step(batch, batch_idx, dataloader_idx)
+
+    def fit(root, fail=False, ckpt_path=None):
+        record = StepRecord()
+        module_class = type("Module", (FailingValidation,), {"fail": fail})
+        fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path, accumulate=2,
+                       val_check_interval=5)
+        return record
+
+    straight = fit(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "failed", fail=True)
+    resumed = fit(tmp_path / "failed", ckpt_path="last")
+    assert sorted(resumed.by_step) == [3, 4]
+    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    assert any(key.startswith("eval_") for step, row in resumed.logger.rows if step == 2 for key in row)
+    assert resumed.logged() == straight.logged(after_step=1)  # the evaluation at step 2, then steps 3 and 4
