@@ -30,13 +30,13 @@ from grpo_lightning.module.peft_models import drop_quantization_state, export_po
 from grpo_lightning.module.peft_settings import LoRASettings, QuantizationSettings, check_adapter_settings
 from grpo_lightning.module.sharding import full_state_dict, generation_weights, plain_forward_reason
 from grpo_lightning.module.resumed_checkpoints import ResumedCheckpoints
+from grpo_lightning.module.window_checkpoints import WindowStartCheckpoints
 from grpo_lightning.module.step_gradients import StepGradients
 from grpo_lightning.module.step_logging import FlushStepLogs, log_evaluation
 from grpo_lightning.module.training_forward import LossTerms, add_router_aux_loss, loss_inputs, rows_logprobs
 from grpo_lightning.module.training_forward import score_batch
 from grpo_lightning.module.training_parts import PartsBackward, StepLoss, training_parts
 from grpo_lightning.types import RolloutBatch
-from grpo_lightning.utils.accumulation_window import micro_steps_into_window, rewind_batch_progress
 from grpo_lightning.utils.lazy_defaults import fresh_instance
 
 
@@ -303,8 +303,9 @@ class GRPOModule(pl.LightningModule):
             log_evaluation(self, windows)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        # the training metrics are logged ahead of the checkpoints; a resume does not re-save its step
-        return [FlushStepLogs(self._metrics), ResumedCheckpoints()]
+        # the training metrics are logged ahead of the checkpoints; a resume does not re-save its step;
+        # a checkpoint inside an accumulation window resumes at its start
+        return [FlushStepLogs(self._metrics), ResumedCheckpoints(), WindowStartCheckpoints()]
 
     # --------------------------------------------------- the end of an optimizer step
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -364,11 +365,7 @@ class GRPOModule(pl.LightningModule):
         return self._trainer is not None and self._fit_end.released(self.trainer.optimizers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checked not to follow a released optimizer state; written inside an accumulation window,
-        Lightning's batch progress goes back to the window's start (``utils/accumulation_window.py``)."""
         self._fit_end.check_checkpoint(self.trainer.optimizers)
-        if "loops" in checkpoint:
-            rewind_batch_progress(checkpoint["loops"], micro_steps_into_window(self.trainer))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.model_settings.quantization_config is not None:  # QLoRA: the quant state is rebuilt, not loaded
