@@ -82,6 +82,11 @@ class CheckpointOnException(pl.Callback):
         if getattr(pl_module, "optimizer_state_released", False):  # failed after training ended: nothing to resume
             log.warning("Failed after training ended (%s); no checkpoint written", type(exception).__name__)
             return
+        if getattr(pl_module, "optimizer_update_started", False):
+            log.warning("Training failed inside an optimizer update (%s): the optimizer state and the weights are "
+                        "half-updated, so no checkpoint is written; resume from the last periodic one "
+                        "(--ckpt_path last)", type(exception).__name__)
+            return
         log.warning("Training failed (%s); writing %s", type(exception).__name__, self.path)
         trainer.save_checkpoint(self.path)
 

@@ -330,6 +330,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if not (unlogged and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
+        self.buffer.micro_step_ready(ref.step, first.step)
         steps = window_steps(ref.step, self.schedule.steps_per_epoch, accumulate)
         return replace(batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate)
 
@@ -379,8 +380,9 @@ class RolloutDataModule(pl.LightningDataModule):
         (gathered: every rank calls this when a checkpoint is written, rank 0 saves it). Inside an
         accumulation window the position is its start: the window is trained again (``utils/accumulation_window.py``)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
-        ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state()])
         position = resume_position(self.micro_steps_done, self.trainer)
+        replay_from = position if position < self.micro_steps_done else None
+        ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state(replay_from)])
         return {"micro_steps_done": position, "replay": position < self.micro_steps_done, "num_tokens": self.num_tokens,
                 "seed": seed, "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}

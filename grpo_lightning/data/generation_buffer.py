@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from grpo_lightning.data.resume_state import GenerationKey, rank_state, restore_rank_state, rng_snapshot
+from grpo_lightning.data.resume_state import GenerationKey, rank_state, restore_rank_state, restore_rng, rng_snapshot
 from grpo_lightning.types import RolloutBatch
 
 
@@ -25,6 +25,10 @@ class GenerationBuffer:
         self._resume: dict[str, Any] | None = None  # a checkpoint's rank state, applied before the next generation
         self._rng_before_generation: dict[str, Any] | None = None  # set while a generation runs
         self._replay = False  # the checkpoint to restore was written inside an accumulation window
+        # micro-step -> the RNG streams as its micro-batch was ready (what its training draws from:
+        # dropout), for the open window's micro-steps; a replayed window's are restored (_replayed)
+        self._window_rng: dict[int, dict[str, Any]] = {}
+        self._replayed: set[int] = set()
         self._unlogged: set[GenerationKey] = set()  # restored batches whose generation metrics are to be logged again
 
     @property
@@ -61,9 +65,24 @@ class GenerationBuffer:
         self.held[key], self._rng_before_generation = batches, None
         return batches, True
 
-    def rank_state(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint (:func:`resume_state.rank_state`)."""
-        return rank_state(list(self.held.items()), self._rng_before_generation)
+    def micro_step_ready(self, step: int, window_start: int) -> None:
+        """Micro-step ``step``'s batch is ready (``window_start``: its window's first micro-step):
+        a replayed micro-step gets the random streams it had then, so its training (dropout) draws
+        what it drew before the checkpoint; another one records them, for a checkpoint inside the window."""
+        self._window_rng = {s: rng for s, rng in self._window_rng.items() if s >= window_start}
+        if step in self._replayed:
+            self._replayed.discard(step)
+            restore_rng(self._window_rng[step])
+        else:
+            self._window_rng[step] = rng_snapshot()
+
+    def rank_state(self, replay_from: int | None = None) -> dict[str, Any]:
+        """This rank's part of a checkpoint (:func:`resume_state.rank_state`); with ``replay_from``
+        (a checkpoint resuming inside the open window), the random streams of its micro-steps from there."""
+        state = rank_state(list(self.held.items()), self._rng_before_generation)
+        if replay_from is not None:
+            state["window_rng"] = [[s, rng] for s, rng in self._window_rng.items() if s >= replay_from]
+        return state
 
     def resume_from(self, state: dict[str, Any] | None, replay: bool = False) -> None:
         """Drop what is held; restore ``state`` (a :meth:`rank_state`) at the next generation.
@@ -71,6 +90,8 @@ class GenerationBuffer:
         training step), whose micro-steps are trained again, with the generation metrics of each
         generation batch whose first micro-step is among them."""
         self.held, self._resume, self._replay, self._unlogged = {}, state, replay, set()
+        self._window_rng = {int(s): rng for s, rng in (state or {}).get("window_rng", [])} if replay else {}
+        self._replayed = set(self._window_rng)
 
 
 __all__ = ["GenerationBuffer"]

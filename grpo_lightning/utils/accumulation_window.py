@@ -12,7 +12,7 @@ a run that never stopped. Three parts move together:
   the checkpoint, so they are replayed, not regenerated);
 * the module's metrics are saved as of the last optimizer step (the window's are gathered again);
 * Lightning's batch progress is rewound to the window's start (:func:`rewind_batch_progress`,
-  applied by ``module/window_checkpoints.py``).
+  applied by ``module/restart_points.py``).
 
 The module and the datamodule are sibling layers that never import each other: both read the
 window from Lightning's counters through :func:`micro_steps_into_window`, so they agree. No

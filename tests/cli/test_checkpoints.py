@@ -4,6 +4,7 @@ refused on resume."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -172,11 +173,11 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
 
 
 def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None,
-                   accumulate=1, steps_per_generation=None, val_check_interval=None):
+                   accumulate=1, steps_per_generation=None, val_check_interval=None, attention_dropout=0.0):
     """Four seeded optimizer steps of a tiny model into ``root`` (``on_exception.ckpt`` on a failure,
     resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` (a
     :class:`StepRecord`) observes, logging every 3 steps; validating every ``val_check_interval``
-    micro-steps when given."""
+    micro-steps when given; ``attention_dropout`` makes training draw random numbers."""
     validation = {} if val_check_interval is None else dict(val_check_interval=val_check_interval,
                                                            check_val_every_n_epoch=None, num_sanity_val_steps=0)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=record.logger, log_every_n_steps=3, enable_progress_bar=False,
@@ -187,7 +188,11 @@ def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=G
                              generation=GenerationParams(max_completion_length=6), steps_per_generation=steps_per_generation,
                              eval_dataset=None if val_check_interval is None else prompts, per_device_eval_batch_size=8)
     pl.seed_everything(0)
-    trainer.fit(module_class(make_model_dir(inputs / "m"), learning_rate=5e-2, save_final_model=False), data,
+    model_dir = make_model_dir(inputs / "m")
+    if attention_dropout:
+        config = json.loads((inputs / "m" / "config.json").read_text())
+        (inputs / "m" / "config.json").write_text(json.dumps({**config, "attention_dropout": attention_dropout}))
+    trainer.fit(module_class(model_dir, learning_rate=5e-2, save_final_model=False), data,
                 ckpt_path=resolve_ckpt_path(ckpt_path, str(root)))
 
 
@@ -257,14 +262,17 @@ def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_
     assert resumed.logged() == straight.logged(after_step=2)
 
 
-@pytest.mark.parametrize("accumulate, steps_per_generation, fail_at", list(WINDOWS.values()), ids=list(WINDOWS))
+@pytest.mark.parametrize("accumulate, steps_per_generation, fail_at, attention_dropout",
+                         [(*window, 0.0) for window in WINDOWS.values()] + [(*WINDOWS["mid window, two generations"], 0.5)],
+                         ids=[*WINDOWS, "mid window, two generations, dropout"])
 def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, accumulate, steps_per_generation,
-                                                                     fail_at):
+                                                                     fail_at, attention_dropout):
     """The failure happens in a micro-step of step 3 (the ``fail_at``-th training step), after its
     micro-batch was generated: ``on_exception.ckpt`` does not count that micro-step as trained, and
     one inside an accumulation window resumes at the window's start (the gradients gathered before
     the failure are not in a checkpoint), so the resumed run trains step 3 on the same micro-batches
-    as a run that never failed: the same rewards and losses at every step."""
+    as a run that never failed: the same rewards and losses at every step. With dropout, training
+    draws random numbers: each replayed micro-step draws what it drew before the failure."""
 
     class FailingStep(GRPOModule):
         fail_at: int | None = None
@@ -279,7 +287,7 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, a
         record = StepRecord()
         module_class = type("Module", (FailingStep,), {"fail_at": fail_at, "calls": 0})
         fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path, accumulate=accumulate,
-                       steps_per_generation=steps_per_generation)
+                       steps_per_generation=steps_per_generation, attention_dropout=attention_dropout)
         return record
 
     straight = fit(tmp_path / "straight")
@@ -291,18 +299,46 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, a
     assert resumed.logged() == straight.logged(after_step=2)  # the averages since the last log included
 
 
+class FailingValidation(GRPOModule):
+    """Fails in the ``fail_batch``-th batch of the validation at step 2 (when ``fail``)."""
+
+    fail, fail_batch = False, 0
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if type(self).fail and self.trainer.global_step == 2 and batch_idx == self.fail_batch:
+            raise RuntimeError("evaluation failed (simulated)")
+        return super().validation_step(batch, batch_idx, dataloader_idx)
+
+
+@pytest.mark.parametrize("failure", ["its generation", "its second batch"])
+def test_a_run_failing_in_a_validation_at_a_step_end_validates_again_from_its_start(tmp_path, failure):
+    """Validation after every second step fails at step 2: while its first batch is generated (the
+    reward), or in its second batch. The resumed run runs that whole validation again (Lightning
+    alone would skip the first and run only the first batches of the second) and then trains and
+    logs what a run that never failed does."""
+
+    def fit(root, fail=False, ckpt_path=None):
+        record = StepRecord()
+        module_class = type("Module", (FailingValidation,), {"fail": fail and failure == "its second batch",
+                                                             "fail_batch": 1})
+        reward = FailOnce(3 if fail and failure == "its generation" else None)  # calls 1, 2: training; 3: evaluation
+        fit_four_steps(root, tmp_path, record, module_class=module_class, reward=reward, ckpt_path=ckpt_path,
+                       val_check_interval=2)
+        return record
+
+    straight = fit(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "failed", fail=True)
+    resumed = fit(tmp_path / "failed", ckpt_path="last")
+    assert sorted(resumed.by_step) == [3, 4]
+    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    assert resumed.logged() == straight.logged(after_step=1)  # the evaluation at step 2 included
+
+
 def test_a_run_failing_in_a_validation_inside_an_accumulation_window_resumes_exactly(tmp_path):
     """Validation every 5 micro-steps falls inside step 3's window (micro-steps 4 and 5); it fails
     there. The resumed run trains that window again, validates at the same point, and trains and
     logs what a run that never failed does."""
-
-    class FailingValidation(GRPOModule):
-        fail = False
-
-        def validation_step(self, batch, batch_idx, dataloader_idx=0):
-            if type(self).fail and self.trainer.global_step == 2:
-                raise RuntimeError("evaluation failed (simulated)")
-            return super().validation_step(batch, batch_idx, dataloader_idx)
 
     def fit(root, fail=False, ckpt_path=None):
         record = StepRecord()
@@ -319,3 +355,29 @@ def test_a_run_failing_in_a_validation_inside_an_accumulation_window_resumes_exa
     assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
     assert any(key.startswith("eval_") for step, row in resumed.logger.rows if step == 2 for key in row)
     assert resumed.logged() == straight.logged(after_step=1)  # the evaluation at step 2, then steps 3 and 4
+
+
+def test_a_failure_inside_the_optimizer_update_writes_no_checkpoint(tmp_path, caplog):
+    """An optimizer that fails after its closure ran (an out-of-memory error in AdamW's update, after
+    it moved its step counts and moments) leaves a half-applied update: no ``on_exception.ckpt``
+    may hold it, and the warning says to resume from the last periodic checkpoint."""
+
+    class FailingSGD(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            loss = closure()
+            type(self).steps += 1
+            if type(self).steps == 3:
+                raise RuntimeError("out of memory in the update (simulated)")
+            with torch.no_grad():
+                return super().step(lambda: loss)
+
+    class Module(GRPOModule):
+        def configure_optimizers(self):
+            return FailingSGD(self.policy.parameters(), lr=1e-2)
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit_four_steps(tmp_path / "run", tmp_path, StepRecord(), module_class=Module)
+    assert not (tmp_path / "run" / "checkpoints" / "on_exception.ckpt").exists()
+    assert "inside an optimizer update" in caplog.text
