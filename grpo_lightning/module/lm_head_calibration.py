@@ -80,8 +80,11 @@ def auto_chunk_tokens(head: torch.nn.Module, hidden_size: int, device: torch.dev
     probe = torch.nn.Linear(weight.shape[1], vocab, bias=getattr(head, "bias", None) is not None, device=device)
     with torch.no_grad():
         probe.weight.copy_(weight)
-    hidden = torch.randn(tokens, hidden_size, device=device, dtype=dtype, requires_grad=True)
-    targets = torch.randint(0, vocab, (tokens,), device=device)
+    # a private generator: calibrating (once per process, so again after a resume) draws nothing
+    # from the global streams that sampling and dropout use
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device=device, dtype=dtype, generator=generator).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
 
     def run(chunk: int) -> None:
         logps, _ = chunked_head_logprobs(hidden, targets, probe, 1.0, chunk_tokens=chunk, with_entropy=False)

@@ -13,12 +13,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class ResumedCheckpoints(pl.Callback):
-    """At the start of a resumed fit, mark the restored step as saved in every ``ModelCheckpoint``."""
+    """At the start of a resumed fit, mark the restored step as saved in every periodic
+    ``ModelCheckpoint`` (``every_n_train_steps``): one that saves on a validation's end (a monitored
+    ``eval_*`` metric) still saves the validations of the restored step."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         if step == 0:
             return
         for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback._last_global_step_saved < step:
+            if (isinstance(callback, ModelCheckpoint) and callback._every_n_train_steps > 0
+                    and callback._last_global_step_saved < step):
                 callback._last_global_step_saved = step  # private in Lightning 2.x: the skip test reads it

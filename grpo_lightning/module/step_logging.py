@@ -98,8 +98,15 @@ class FlushStepLogs(pl.Callback):
             self.flush(trainer, trainer.current_epoch + 1.0)
 
     def flush(self, trainer: pl.Trainer, epoch: float) -> None:
-        """Log the metrics gathered since the last log, with the (fractional) ``epoch``, as TRL."""
-        log_metrics(trainer, {**self.metrics.flush_log(), "epoch": float(epoch)})
+        """Log the metrics gathered since the last log, with the (fractional) ``epoch``, as TRL. A
+        logger that fails (a tracking server's error) leaves them gathered: the checkpoint written
+        on that failure holds them, and the resumed run logs them."""
+        gathered = self.metrics.state_dict()
+        try:
+            log_metrics(trainer, {**self.metrics.flush_log(), "epoch": float(epoch)})
+        except BaseException:
+            self.metrics.load_state_dict(gathered)
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         return self.metrics.state_dict()

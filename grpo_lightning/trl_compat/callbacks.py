@@ -216,6 +216,7 @@ class TrainerCallbacks(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._started = time.time()  # speed_metrics measures wall-clock time from here
         self._last_step = self._first_step = trainer.global_step
+        self._epoch = fractional_epoch(trainer, trainer.fit_loop.epoch_loop.batch_idx)  # a resumed run's, as HF restores it
         # The run's length as transformers works it out before its first step (epochs: the steps they amount to).
         self._max_steps = run_state.planned_steps(trainer)
         self._num_train_epochs = run_state.num_train_epochs(trainer, self.args, self._max_steps)

@@ -89,7 +89,9 @@ def test_chunk_calibration_picks_a_fitting_candidate_once():
     head = torch.nn.Linear(64, 32_000, bias=False, device="cuda")
     hidden = torch.randn(8, 64, device="cuda")
     lm_head_calibration._cache.clear()
+    random_stream = torch.cuda.get_rng_state()
     chunk = lm_head_calibration.resolve_chunk_tokens("auto", head, hidden)
+    assert torch.equal(torch.cuda.get_rng_state(), random_stream)  # sampling after a resume draws the same numbers
     assert chunk in lm_head_calibration.CANDIDATES and head.weight.grad is None
     assert lm_head_calibration.resolve_chunk_tokens("auto", head, hidden) == chunk and len(lm_head_calibration._cache) == 1
 

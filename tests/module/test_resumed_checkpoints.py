@@ -34,3 +34,16 @@ def test_the_resumed_step_is_not_saved_again_inside_the_next_window(tmp_path):
     assert hashlib.sha256(resumed_from.read_bytes()).hexdigest() == before
     assert torch.load(resumed_from, weights_only=False)["global_step"] == step == 2
     assert (tmp_path / "ckpt" / "step=3.ckpt").is_file()
+
+
+def test_only_periodic_checkpoints_are_marked_saved_at_the_restored_step():
+    """A ``ModelCheckpoint`` that saves on a validation's end (a monitored ``eval_*`` metric, no
+    ``every_n_train_steps``) still saves a validation of the restored step."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.module.resumed_checkpoints import ResumedCheckpoints
+
+    periodic = ModelCheckpoint(every_n_train_steps=5)
+    best = ModelCheckpoint(monitor="eval_reward", mode="max")
+    ResumedCheckpoints().on_train_start(SimpleNamespace(global_step=10, checkpoint_callbacks=[periodic, best]), None)
+    assert (periodic._last_global_step_saved, best._last_global_step_saved) == (10, 0)

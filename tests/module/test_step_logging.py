@@ -4,6 +4,7 @@ travel in the checkpoint: a resumed run logs what one that never stopped logs.""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -146,3 +147,24 @@ def test_a_checkpoint_inside_an_optimizer_step_holds_the_log_window_as_that_step
     resumed.add({"reward": 3.0, "num_tokens": 20.0})  # the window trained again
     resumed.close_step({"loss": 0.75})
     assert resumed.flush_log() == {"reward": 2.0, "num_tokens": 20.0, "clip_ratio": 0.5, "loss": 0.5}
+
+
+def test_a_logger_that_fails_leaves_the_metrics_gathered():
+    """A tracking server's error while a step is logged: the metrics stay in the window (the
+    ``on_exception`` checkpoint holds them) instead of being lost with the failed call."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.module.step_logging import FlushStepLogs
+
+    class Down(MemoryLogger):
+        def log_metrics(self, metrics, step=None):
+            raise ConnectionError("tracking server unavailable (simulated)")
+
+    metrics = TrainingMetrics()
+    metrics.add({"reward": 1.0})
+    metrics.close_step({"loss": 0.5})
+    before = metrics.state_dict()
+    trainer = SimpleNamespace(loggers=[Down()], global_step=1)
+    with pytest.raises(ConnectionError, match="simulated"):
+        FlushStepLogs(metrics).flush(trainer, epoch=0.5)
+    assert metrics.state_dict() == before and before["log"]["values"] == {"reward": [1.0], "loss": [0.5]}

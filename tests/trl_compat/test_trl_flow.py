@@ -119,3 +119,26 @@ def test_fractional_eval_and_save_steps_in_an_epoch_run_are_fractions_of_its_pla
     saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step=*.ckpt"))
     assert saved == [f"step={step:07d}.ckpt" for step in (2, 4, 6, 8)]
     assert (trainer.state.eval_steps, trainer.state.save_steps) == (4, 2)
+
+
+@pytest.mark.slow
+def test_train_resumes_from_the_last_checkpoint_with_transformers_state(tiny_model, tmp_path):
+    """``train(resume_from_checkpoint=True)`` continues from the newest checkpoint: the state starts
+    at its step and (fractional) epoch, as transformers restores them, and the run ends at max_steps."""
+
+    class Begin:
+        def on_train_begin(self, args, state, control, **kw):
+            self.at = (state.global_step, state.epoch)
+
+    args = _args(tmp_path, max_steps=2, logging_steps=1)
+    args.save_strategy, args.save_steps = "steps", 1
+    GRPOTrainer(model=tiny_model, reward_funcs=length_reward, train_dataset=_four_prompts(), args=args).train()
+    args = _args(tmp_path, max_steps=3, logging_steps=1)
+    args.save_strategy, args.save_steps = "steps", 1
+    begin = Begin()
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, train_dataset=_four_prompts(), args=args,
+                          callbacks=[begin])
+    trainer.train(resume_from_checkpoint=True)
+    assert begin.at == (2, 0.5)  # 4 optimizer steps an epoch
+    assert trainer.state.global_step == 3
+    assert [e["step"] for e in trainer.log_history if "loss" in e] == [1, 2, 3]  # restored, as HF's trainer_state.json
