@@ -50,17 +50,18 @@ def is_periodic_checkpoint(callback: Any) -> bool:
 
 def default_checkpoints(root_dir: str, every_n_steps: int, keep: int) -> list[Any]:
     """A ``ModelCheckpoint`` keeping the ``keep`` newest of its every-``every_n_steps`` checkpoints
-    (``last.ckpt`` links to the newest), and an ``OnExceptionCheckpoint``, both in the run's folder."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    (``last.ckpt`` links to the newest; written again after a validation that follows,
+    ``periodic_checkpoint.py``), and an ``OnExceptionCheckpoint``, both in the run's folder."""
+    from grpo_lightning.cli.periodic_checkpoint import PeriodicCheckpoint
 
     if every_n_steps < 1 or keep < 1:
         raise ConfigError(f"checkpoint_every_n_steps={every_n_steps}, keep_checkpoints={keep}: both must be >= 1 "
                           "(trainer.enable_checkpointing: false turns checkpoints off).")
     folder = checkpoint_dir(root_dir)
     # monitor="step" (always a candidate) with mode max keeps the newest: top-k of the step number.
-    periodic = ModelCheckpoint(dirpath=folder, filename=PERIODIC_FILENAME, auto_insert_metric_name=False,
-                               every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
-                               save_last="link", enable_version_counter=False)  # a resume re-links last.ckpt
+    periodic = PeriodicCheckpoint(dirpath=folder, filename=PERIODIC_FILENAME, auto_insert_metric_name=False,
+                                  every_n_train_steps=every_n_steps, save_top_k=keep, monitor="step", mode="max",
+                                  save_last="link", enable_version_counter=False)  # a resume re-links last.ckpt
     return [periodic, CheckpointOnException(os.path.join(folder, EXCEPTION_CHECKPOINT + ".ckpt"))]
 
 

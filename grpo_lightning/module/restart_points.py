@@ -42,10 +42,19 @@ class RestartPoints(pl.Callback):
     """Rewinds a checkpoint written inside an accumulation window to the window's start, and one
     written during a fit's validation to that validation's start."""
 
+    def __init__(self) -> None:
+        self._validation_running = False  # between a fit's validation start and its end
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_running = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_running = False  # before the checkpoints' hooks: one written now follows a whole validation
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if "loops" not in checkpoint:
             return
         into_window = micro_steps_into_window(trainer)
         rewind_batch_progress(checkpoint["loops"], into_window)
-        if into_window == 0 and trainer.state.fn == TrainerFn.FITTING and trainer.validating and not trainer.sanity_checking:
+        if into_window == 0 and self._validation_running:
             restart_validation(checkpoint["loops"])

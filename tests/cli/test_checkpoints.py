@@ -173,7 +173,8 @@ def test_a_resume_continues_the_mlflow_run_of_a_configured_logger(tmp_path):
 
 
 def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=GRPOModule, ckpt_path=None,
-                   accumulate=1, steps_per_generation=None, val_check_interval=None, attention_dropout=0.0):
+                   accumulate=1, steps_per_generation=None, val_check_interval=None, attention_dropout=0.0,
+                   every_n_steps=10, callbacks=()):
     """Four seeded optimizer steps of a tiny model into ``root`` (``on_exception.ckpt`` on a failure,
     resumed from ``ckpt_path``), the model and prompts under ``inputs``; ``record`` (a
     :class:`StepRecord`) observes, logging every 3 steps; validating every ``val_check_interval``
@@ -182,7 +183,8 @@ def fit_four_steps(root, inputs, record, *, reward=length_reward, module_class=G
                                                            check_val_every_n_epoch=None, num_sanity_val_steps=0)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=record.logger, log_every_n_steps=3, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(root), accumulate_grad_batches=accumulate,
-                         callbacks=place_checkpoints([record], str(root), every_n_steps=10, keep=2), **validation)
+                         callbacks=place_checkpoints([record, *callbacks], str(root), every_n_steps=every_n_steps, keep=4),
+                         **validation)
     prompts = write_prompts(inputs / "p.jsonl")
     data = RolloutDataModule(prompts, reward_funcs=[reward], num_generations=4, per_device_train_batch_size=8, seed=1,
                              generation=GenerationParams(max_completion_length=6), steps_per_generation=steps_per_generation,
@@ -381,3 +383,45 @@ def test_a_failure_inside_the_optimizer_update_writes_no_checkpoint(tmp_path, ca
         fit_four_steps(tmp_path / "run", tmp_path, StepRecord(), module_class=Module)
     assert not (tmp_path / "run" / "checkpoints" / "on_exception.ckpt").exists()
     assert "inside an optimizer update" in caplog.text
+
+
+def test_a_resume_from_a_step_that_validated_keeps_what_the_validation_changed(tmp_path):
+    """Checkpoints and validations every 2 steps: the step-2 checkpoint is written again after the
+    step-2 validation, so a run resumed from it holds what that validation changed (here a count
+    of validations a callback keeps, as ``EarlyStopping`` keeps its patience) and ends with the
+    state of a run that never stopped."""
+
+    class Validations(pl.Callback):
+        def __init__(self):
+            self.count = 0
+
+        def on_validation_end(self, trainer, pl_module):
+            self.count += 0 if trainer.sanity_checking else 1
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state_dict):
+            self.count = state_dict["count"]
+
+    class StopsAtThree(GRPOModule):
+        stop = False
+
+        def training_step(self, batch, batch_idx):
+            if type(self).stop and self.trainer.global_step == 2:
+                raise RuntimeError("preempted (simulated)")
+            return super().training_step(batch, batch_idx)
+
+    def fit(root, stop=False, ckpt_path=None):
+        validations = Validations()
+        fit_four_steps(root, tmp_path, StepRecord(), module_class=type("Module", (StopsAtThree,), {"stop": stop}),
+                       ckpt_path=ckpt_path, val_check_interval=2, every_n_steps=2, callbacks=[validations])
+        return validations.count
+
+    assert fit(tmp_path / "straight") == 2
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "stopped", stop=True)
+    step2 = checkpoint_dir(str(tmp_path / "stopped")) + "/step=0000002.ckpt"
+    states = torch.load(step2, weights_only=False)["callbacks"]
+    assert [state for key, state in states.items() if key.endswith("Validations")] == [{"count": 1}]
+    assert fit(tmp_path / "stopped", ckpt_path=step2) == 2
