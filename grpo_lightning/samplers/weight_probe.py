@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -53,6 +54,18 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside the block; each submodule's own mode restored after it."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 class WeightSyncError(RuntimeError):
@@ -152,7 +165,8 @@ class ImageProbe:
         largest logit magnitude."""
         ids = torch.tensor([self.token_ids], dtype=torch.long, device=device)  # (1, L)
         inputs = {k: (v[None] if k in self.token_fields else v).to(device) for k, v in self.model_inputs.items()}
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs).logits[0, :-1]
+        with eval_mode(model):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs).logits[0, :-1]
         logits = logits.float()  # (L-1, V)
         logps = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         return logps.double().cpu(), float(logits.abs().max())
@@ -202,7 +216,8 @@ class WeightProbe:
         magnitude (the tolerance's scale). Run inside ``handle.generation_context()`` when sharded."""
         model = handle.policy
         ids = torch.tensor([self.token_ids], dtype=torch.long, device=handle.device)  # (1, L)
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (L-1, V)
+        with eval_mode(model):  # no dropout: deterministic, and no draw from training's random streams
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (L-1, V)
         logps = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]  # (L-1,)
         return logps.double().cpu(), float(logits.abs().max())
 

@@ -96,3 +96,24 @@ def test_a_sampler_encodes_its_probe_image_once(handle, monkeypatch):
     assert WeightProbe.of_sampler(sampler, handle) is first and len(encodings) == 1
     sampler.engine_dtype = torch.bfloat16  # another engine dtype: another tolerance, a new probe
     assert WeightProbe.of_sampler(sampler, handle).engine_dtype == torch.bfloat16 and len(encodings) == 2
+
+
+def test_the_probe_runs_the_policy_without_dropout_and_draws_no_random_numbers():
+    """With dropout in the model, a probe in train mode would read noisy log-probs (a push judged
+    corrupted) and move training's random streams; it runs in eval mode, modes restored after."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.utils.tiny_models import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(40, seed=1)
+    model.config.attention_dropout = 0.9
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.9
+    model.train()
+    model.model.embed_tokens.eval()  # a submodule's own mode survives the probe
+    handle = SimpleNamespace(policy=model, device=torch.device("cpu"))
+    probe = WeightProbe(list(range(3, 19)), torch.float32)
+    stream = torch.get_rng_state()
+    first, second = probe.trainer_logprobs(handle)[0], probe.trainer_logprobs(handle)[0]
+    assert torch.equal(first, second) and torch.equal(torch.get_rng_state(), stream)
+    assert model.training and not model.model.embed_tokens.training and model.model.layers[0].training
