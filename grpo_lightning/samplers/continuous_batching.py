@@ -15,6 +15,7 @@ from grpo_lightning.samplers.base import Sampler
 from grpo_lightning.samplers.generation_checks import check_hf_generation
 from grpo_lightning.samplers.hf_common import build_generation_config, completion_rollout, generation_mode
 from grpo_lightning.types import GenerationParams, PolicyHandle, PromptInput, Rollout
+from grpo_lightning.utils.module_modes import eval_mode
 
 CPU_PAGE_SIZE = 64  # tokens per cache page on CPU (transformers' 256 suits GPU kernels; short rows waste less)
 MAX_DEFAULT_BATCH_TOKENS = 4096  # cap of the default tokens per engine step
@@ -144,7 +145,7 @@ class ContinuousBatchingSampler(Sampler):
             return []
         generation = build_generation_config(handle, params)
         settings = self.engine_settings(rows, params)
-        with handle.generation_context(), generation_mode(model), _eval_mode(model), \
+        with handle.generation_context(), generation_mode(model), eval_mode(model), \
                 _forward_under(model, handle.precision_context), _forked_rng(handle.device) as seed:
             outputs = self._run(model, rows, generation, settings, params.max_completion_length, seed)
         stop, version = set(handle.eos_token_ids), handle.policy_version
@@ -319,18 +320,6 @@ def _forward_under(model: torch.nn.Module, context: Callable[[], ContextManager[
             del model.forward
         else:
             model.forward = previous
-
-
-@contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode while generating (the engine sets it too); every module's flag restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 @contextmanager

@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
 from grpo_lightning.types import PolicyHandle
 from grpo_lightning.utils.model_config import text_config
+from grpo_lightning.utils.module_modes import eval_mode
 
 SAFETY = 8.0
 T = TypeVar("T")
@@ -54,18 +54,6 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-
-
-@contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in eval mode inside the block; each submodule's own mode restored after it."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 class WeightSyncError(RuntimeError):

@@ -231,6 +231,20 @@ class FailOnce:
         return length_reward(completions, **kwargs)
 
 
+def straight_and_resumed(fit, tmp_path, logged_after_step=2):
+    """``fit(root, fail, ckpt_path) -> StepRecord`` three times: a run that never fails, one that
+    fails ("simulated"), and its resume from ``last``. The resume trains steps 3 and 4 as the
+    straight run does and logs what it logs after ``logged_after_step``; returns both records."""
+    straight = fit(tmp_path / "straight", False, None)
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "failed", True, None)
+    resumed = fit(tmp_path / "failed", False, "last")
+    assert sorted(resumed.by_step) == [3, 4]
+    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    assert resumed.logged() == straight.logged(after_step=logged_after_step)
+    return straight, resumed
+
+
 # (trainer.accumulate_grad_batches, data.steps_per_generation, the failing call): one micro-step per
 # optimizer step; the first micro-step of step 3's window; its second, whose window started in the
 # same generation batch or (one micro-step per generation batch) in the one before.
@@ -249,19 +263,13 @@ def test_a_run_failing_in_a_generation_resumes_with_the_random_stream_of_before_
     failure inside an accumulation window resumes at its start, replaying the generation batches it
     already drew from the checkpoint."""
 
-    def fit(root, reward, ckpt_path=None):
+    def fit(root, fail, ckpt_path):
         record = StepRecord()
-        fit_four_steps(root, tmp_path, record, reward=reward, ckpt_path=ckpt_path, accumulate=accumulate,
-                       steps_per_generation=steps_per_generation)
+        fit_four_steps(root, tmp_path, record, reward=FailOnce(fail_at if fail else None), ckpt_path=ckpt_path,
+                       accumulate=accumulate, steps_per_generation=steps_per_generation)
         return record
 
-    straight = fit(tmp_path / "straight", FailOnce(None))
-    with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", FailOnce(fail_at))
-    resumed = fit(tmp_path / "failed", FailOnce(None), "last")
-    assert sorted(resumed.by_step) == [3, 4]
-    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
-    assert resumed.logged() == straight.logged(after_step=2)
+    straight_and_resumed(fit, tmp_path)
 
 
 @pytest.mark.parametrize("accumulate, steps_per_generation, fail_at, attention_dropout",
@@ -285,20 +293,14 @@ def test_a_run_failing_inside_a_training_step_resumes_with_that_step(tmp_path, a
                 raise RuntimeError("device error (simulated)")
             return super().training_step(batch, batch_idx)
 
-    def fit(root, fail_at=None, ckpt_path=None):
+    def fit(root, fail, ckpt_path):
         record = StepRecord()
-        module_class = type("Module", (FailingStep,), {"fail_at": fail_at, "calls": 0})
+        module_class = type("Module", (FailingStep,), {"fail_at": fail_at if fail else None, "calls": 0})
         fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path, accumulate=accumulate,
                        steps_per_generation=steps_per_generation, attention_dropout=attention_dropout)
         return record
 
-    straight = fit(tmp_path / "straight")
-    with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", fail_at=fail_at)
-    resumed = fit(tmp_path / "failed", ckpt_path="last")
-    assert sorted(resumed.by_step) == [3, 4]
-    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
-    assert resumed.logged() == straight.logged(after_step=2)  # the averages since the last log included
+    straight_and_resumed(fit, tmp_path)  # the averages since the last log included
 
 
 class FailingValidation(GRPOModule):
@@ -319,7 +321,7 @@ def test_a_run_failing_in_a_validation_at_a_step_end_validates_again_from_its_st
     alone would skip the first and run only the first batches of the second) and then trains and
     logs what a run that never failed does."""
 
-    def fit(root, fail=False, ckpt_path=None):
+    def fit(root, fail, ckpt_path):
         record = StepRecord()
         module_class = type("Module", (FailingValidation,), {"fail": fail and failure == "its second batch",
                                                              "fail_batch": 1})
@@ -328,13 +330,7 @@ def test_a_run_failing_in_a_validation_at_a_step_end_validates_again_from_its_st
                        val_check_interval=2)
         return record
 
-    straight = fit(tmp_path / "straight")
-    with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", fail=True)
-    resumed = fit(tmp_path / "failed", ckpt_path="last")
-    assert sorted(resumed.by_step) == [3, 4]
-    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
-    assert resumed.logged() == straight.logged(after_step=1)  # the evaluation at step 2 included
+    straight_and_resumed(fit, tmp_path, logged_after_step=1)  # the evaluation at step 2 included
 
 
 def test_a_run_failing_in_a_validation_inside_an_accumulation_window_resumes_exactly(tmp_path):
@@ -342,21 +338,15 @@ def test_a_run_failing_in_a_validation_inside_an_accumulation_window_resumes_exa
     there. The resumed run trains that window again, validates at the same point, and trains and
     logs what a run that never failed does."""
 
-    def fit(root, fail=False, ckpt_path=None):
+    def fit(root, fail, ckpt_path):
         record = StepRecord()
         module_class = type("Module", (FailingValidation,), {"fail": fail})
         fit_four_steps(root, tmp_path, record, module_class=module_class, ckpt_path=ckpt_path, accumulate=2,
                        val_check_interval=5)
         return record
 
-    straight = fit(tmp_path / "straight")
-    with pytest.raises(RuntimeError, match="simulated"):
-        fit(tmp_path / "failed", fail=True)
-    resumed = fit(tmp_path / "failed", ckpt_path="last")
-    assert sorted(resumed.by_step) == [3, 4]
-    assert [resumed.by_step[3], resumed.by_step[4]] == [straight.by_step[3], straight.by_step[4]]
+    _, resumed = straight_and_resumed(fit, tmp_path, logged_after_step=1)  # the evaluation at step 2, steps 3, 4
     assert any(key.startswith("eval_") for step, row in resumed.logger.rows if step == 2 for key in row)
-    assert resumed.logged() == straight.logged(after_step=1)  # the evaluation at step 2, then steps 3 and 4
 
 
 def test_a_failure_inside_the_optimizer_update_writes_no_checkpoint(tmp_path, caplog):
