@@ -72,10 +72,22 @@ class CheckpointOnException(pl.Callback):
     ``ckpt_path`` resume silently from the newest checkpoint; here resuming is always asked for
     (``--ckpt_path last``). Under several processes nothing is written: a checkpoint needs every
     rank, and a failing rank cannot count on the others (the periodic checkpoints cover them).
+    Nor is anything written for a failure inside an optimizer update, from its closure's end (the
+    gradients complete: ``on_before_optimizer_step``) to the step's end: the optimizer state and
+    the weights are half-updated there (AdamW moves its step counts and moments before its largest
+    allocation), and a resume would apply the step twice.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._update_at: int | None = None  # Lightning's count of optimizer steps begun when an update began
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._update_at = _optimizer_steps(trainer).ready
+
+    def _inside_update(self, trainer: pl.Trainer) -> bool:
+        steps = _optimizer_steps(trainer)  # ready: optimizer_step entered; completed: it returned
+        return steps.ready > steps.completed and self._update_at == steps.ready
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if trainer.world_size > 1 or trainer.global_step == 0:
@@ -83,13 +95,18 @@ class CheckpointOnException(pl.Callback):
         if getattr(pl_module, "optimizer_state_released", False):  # failed after training ended: nothing to resume
             log.warning("Failed after training ended (%s); no checkpoint written", type(exception).__name__)
             return
-        if getattr(pl_module, "optimizer_update_started", False):
+        if self._inside_update(trainer):
             log.warning("Training failed inside an optimizer update (%s): the optimizer state and the weights are "
                         "half-updated, so no checkpoint is written; resume from the last periodic one "
                         "(--ckpt_path last)", type(exception).__name__)
             return
         log.warning("Training failed (%s); writing %s", type(exception).__name__, self.path)
         trainer.save_checkpoint(self.path)
+
+
+def _optimizer_steps(trainer: pl.Trainer) -> Any:
+    """Lightning's progress counters of the optimizer steps (automatic optimization)."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
 
 
 def place_checkpoints(callbacks: list[Any], root_dir: str, every_n_steps: int, keep: int) -> list[Any]:

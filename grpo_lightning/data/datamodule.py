@@ -323,14 +323,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """The micro-batch for ``ref``, generating its generation batch first if needed."""
         assert self.schedule is not None
         accumulate = self.trainer.accumulate_grad_batches
-        first = self.schedule.window_start_ref(ref.step, accumulate)  # its window's batches are kept for a replay
-        batches, unlogged = self.buffer.batches_for((ref.epoch, ref.generation), lambda: self._generate(ref),
-                                                 self.trainer.strategy.root_device, keep_from=(first.epoch, first.generation))
+        first = self.schedule.window_start_ref(ref.step, accumulate)  # the buffer keeps what its replay needs
+        batches, unlogged = self.buffer.batches_for(ref, first, lambda: self._generate(ref), self.trainer.strategy.root_device)
         batch = batches[ref.micro_index]
         if not (unlogged and ref.micro_index == 0 and ref.iteration == 0):
             batch = replace(batch, generation_metrics={}, prepare_seconds=0.0)
         batch.iteration = ref.iteration
-        self.buffer.micro_step_ready(ref.step, first.step)
         steps = window_steps(ref.step, self.schedule.steps_per_epoch, accumulate)
         return replace(batch, accumulation_steps=steps, num_items_in_batch=batch.num_items_in_batch * steps / accumulate)
 
@@ -377,12 +375,11 @@ class RolloutDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
         """The prompt position and data plan, and each rank's RNG streams and generation buffer
-        (gathered: every rank calls this when a checkpoint is written, rank 0 saves it). Inside an
-        accumulation window the position is its start: the window is trained again (``utils/accumulation_window.py``)."""
+        (gathered: every rank calls this when a checkpoint is written, rank 0 saves it); inside an
+        accumulation window, from its start (``utils/accumulation_window.py``)."""
         seed = self.prompt_order.seed if self.prompt_order is not None else None
         position = resume_position(self.micro_steps_done, self.trainer)
-        replay_from = position if position < self.micro_steps_done else None
-        ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state(replay_from)])
+        ranks = trainer_collective(lambda: self.trainer).gather_objects([self.buffer.rank_state(position)])
         return {"micro_steps_done": position, "replay": position < self.micro_steps_done, "num_tokens": self.num_tokens,
                 "seed": seed, "plan": self.run_plan, "ranks": ranks, "refill": self.refill.state_dict() if self.refill else None,
                 "completion_table": table_state(self.completion_table)}
@@ -397,6 +394,6 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.refill is not None:  # the run plan says the checkpoint's run sampled dynamically too
             self.refill.load_state_dict(state_dict["refill"])
         ranks = state_dict.get("ranks")
-        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None,
-                                bool(state_dict.get("replay", state_dict.get("in_flight"))))  # its former name
+        replay = state_dict.get("replay", state_dict.get("in_flight"))  # "in_flight": its former name
+        self.buffer.resume_from(ranks[self.trainer.global_rank] if ranks else None, bool(replay))
 

@@ -160,7 +160,6 @@ class GRPOModule(pl.LightningModule):
         #: Set by an entropy controller (``AdaptiveEntropy``): each optimizer step's loss-token entropies,
         #: and the value logged as ``entropy_coef`` (its coefficient; the applied one may be gated to 0).
         self.entropy_window: EntropyWindow | None = None
-        self.optimizer_update_started = False  # see optimizer_step: no checkpoint may hold a half-applied update
         self.entropy_coef_metric: float | None = None
         self.output_dir = output_dir
         self.save_final_model = save_final_model
@@ -304,8 +303,8 @@ class GRPOModule(pl.LightningModule):
             log_evaluation(self, windows)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        # the training metrics are logged ahead of the checkpoints; a resume does not re-save its step;
-        # a checkpoint inside an accumulation window or a validation resumes at its start
+        # metrics logged ahead of the checkpoints; a resume does not re-save its step; a checkpoint
+        # inside an accumulation window or a validation resumes at its start
         return [FlushStepLogs(self._metrics), ResumedCheckpoints(), RestartPoints()]
 
     # --------------------------------------------------- the end of an optimizer step
@@ -318,16 +317,8 @@ class GRPOModule(pl.LightningModule):
         self._grad_norm = step_grad_norm(self.trainer, self.policy.parameters(), optimizer)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        """Step, then publish the step's metrics: read once the update is queued, so a GPU runs it meanwhile.
-        From the closure's end (the gradients complete) to the step's end the update is under way
-        (:attr:`optimizer_update_started`): a failure there leaves the optimizer and the weights half-updated."""
-        def closure() -> Any:
-            result = optimizer_closure()
-            self.optimizer_update_started = True
-            return result
-
-        super().optimizer_step(epoch, batch_idx, optimizer, closure if optimizer_closure is not None else None)
-        self.optimizer_update_started = False
+        """Step, then publish the step's metrics: read once the update is queued, so a GPU runs it meanwhile."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if deepspeed_step_applied(self.trainer):  # the micro-step that ended DeepSpeed's window
             self._grad_norm = deepspeed_grad_norm(self.trainer)
         elif self.trainer.strategy.handles_gradient_accumulation:
