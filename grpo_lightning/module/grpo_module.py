@@ -303,8 +303,7 @@ class GRPOModule(pl.LightningModule):
             log_evaluation(self, windows)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        # metrics logged ahead of the checkpoints; a resume does not re-save its step; a checkpoint
-        # inside an accumulation window or a validation resumes at its start
+        # metrics logged before checkpoints; no re-save of a resumed step; restart points (their docstrings)
         return [FlushStepLogs(self._metrics), ResumedCheckpoints(), RestartPoints()]
 
     # --------------------------------------------------- the end of an optimizer step
