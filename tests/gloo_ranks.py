@@ -4,9 +4,10 @@ A test calls :func:`run_two_ranks` with a child script; the script's ``__main__`
 :func:`spawn_two_ranks` with a check ``fn(rank) -> list[str]`` (the problems found, empty when all
 is well). Each rank writes ``rank<r>.txt`` ("ok" or its problems), then both meet at a barrier
 before the group is destroyed, so neither rank closes its connections while the other still has
-a message in flight (a gloo peer that loses its connection mid-receive aborts the process); a
-rank that got there exits at once (``os._exit``), skipping the interpreter's teardown. A rank that
-dies anyway prints every thread's Python stack (``faulthandler``), which the test shows.
+a message in flight (a gloo peer that loses its connection mid-receive aborts the process); with
+``hard_exit`` a rank that got there leaves at once (``os._exit``), skipping the interpreter's
+teardown. A rank that dies anyway prints every thread's Python stack (``faulthandler``), which
+the test shows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _rank_main(rank: int, fn: Callable[[int], list[str]], port: int, out_dir: str) -> None:
+def _rank_main(rank: int, fn: Callable[[int], list[str]], port: int, out_dir: str, hard_exit: bool) -> None:
     import torch.distributed as dist
 
     faulthandler.enable(all_threads=True)
@@ -33,19 +34,22 @@ def _rank_main(rank: int, fn: Callable[[int], list[str]], port: int, out_dir: st
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Done, verdict written: leave without the interpreter's teardown, where a C++ thread of gloo or
-    # FSDP2 that is still joinable now and then aborts the process ("terminate called without an
-    # active exception", no Python frame left: CI lost rank 1 of an FSDP2 child to it twice).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if hard_exit:
+        # Done, verdict written: leave without the interpreter's teardown, where a C++ thread of
+        # FSDP2 that is still joinable now and then aborts the process ("terminate called without
+        # an active exception", no Python frame left: CI lost rank 1 of the FSDP2 child to it twice).
+        # Not the default: the teardown is where vLLM unlinks its shared memory (/dev/shm).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def spawn_two_ranks(fn: Callable[[int], list[str]]) -> None:
-    """The child script's entry point: ``python child.py PORT OUT_DIR`` runs ``fn`` on 2 ranks."""
+def spawn_two_ranks(fn: Callable[[int], list[str]], hard_exit: bool = False) -> None:
+    """The child script's entry point: ``python child.py PORT OUT_DIR`` runs ``fn`` on 2 ranks
+    (``hard_exit``: each rank leaves with ``os._exit`` once its verdict is written)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(fn, int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    mp.spawn(_rank_main, args=(fn, int(sys.argv[1]), sys.argv[2], hard_exit), nprocs=2)
 
 
 def run_two_ranks(child: Path, out_dir: Path, *args: str) -> None:
